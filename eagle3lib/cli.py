@@ -1,0 +1,76 @@
+"""`eagle3`: one command per single operation; each subcommand is a small function below.
+
+Each subcommand registers itself in `COMMANDS` with `@command(name, help, arguments)`; heavy imports happen inside
+the handlers so `eagle3 --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable, str]] = {}
+
+
+def command(name: str, help: str, arguments: Callable[[argparse.ArgumentParser], None]):
+    """Register the decorated `handler(args) -> exit code` as `eagle3 <name>`."""
+
+    def register(handler: Callable) -> Callable:
+        COMMANDS[name] = (arguments, handler, help)
+        return handler
+
+    return register
+
+
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("params", help="a recipe under params/, e.g. params/demo.yaml")
+    p.add_argument("--only", help="comma-separated notebook numbers, e.g. 00,04")
+    p.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one parameter, e.g. -p train.steps=50 (repeatable)")
+    p.add_argument("--name", help="run name: outputs/<name>/ (default: run.name from the params)")
+    p.add_argument("--overwrite", action="store_true", help="reuse an existing run folder")
+
+
+@command("run", "execute the numbered notebooks with papermill into outputs/<run>/", _run_arguments)
+def _run(args: argparse.Namespace) -> int:
+    from eagle3lib import runs
+
+    overrides = list(args.param)
+    if args.name:
+        overrides.append(f"run.name={args.name}")
+    params = runs.load_params(args.params, overrides)
+    run_dir = runs.OUTPUTS_DIR / params["run"]["name"]
+    only = args.only.split(",") if args.only else None
+    try:
+        path = runs.run_notebooks(args.params, run_dir, overrides, only=only, overwrite=args.overwrite)
+    except runs.NotebookFailed as err:
+        print(f"eagle3 run: {err}", file=sys.stderr)
+        return 1
+    print(f"eagle3 run: outputs in {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eagle3", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (add_arguments, handler, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        add_arguments(p)
+        p.set_defaults(handler=handler)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from eagle3lib.runs import ParamsError, RunExistsError
+
+    try:
+        return args.handler(args) or 0
+    except (ParamsError, RunExistsError, FileNotFoundError, ValueError) as err:
+        print(f"eagle3 {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

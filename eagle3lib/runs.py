@@ -1,0 +1,304 @@
+"""Run parameters, run folders and the papermill driver.
+
+Every notebook and `eagle3 run` read parameters through `load_params`: the defaults live in
+`DEFAULTS` (the one place), a YAML recipe under `params/` overrides them, `key=value` overrides
+go on top, and any key that is not in `DEFAULTS` is refused before any work starts (papermill
+itself only warns about unknown parameters).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
+OUTPUTS_DIR = REPO_ROOT / "outputs"
+
+# The defaults of every parameter, grouped by the step that reads them. A recipe in params/
+# overrides any subset; keys outside this tree are refused.
+DEFAULTS: dict[str, Any] = {
+    "run": {
+        "name": "default",  # outputs/<name>/ unless a run folder is given explicitly
+        "seed": 0,
+        "device": "auto",  # auto | cpu | cuda
+    },
+}
+
+
+class ParamsError(ValueError):
+    """A params file or override that does not fit DEFAULTS."""
+
+
+def _check_type(where: str, key: str, default: Any, value: Any) -> Any:
+    if default is None or value is None:
+        return value
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif isinstance(default, str):
+        ok = isinstance(value, str)
+    elif isinstance(default, list):
+        ok = isinstance(value, list | tuple)
+        value = list(value) if ok else value
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise ParamsError(
+            f"{where}: key '{key}' expects {type(default).__name__} (default {default!r}), "
+            f"got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def _merge(where: str, base: dict, update: dict, prefix: str = "") -> None:
+    """Merge `update` into `base` in place, refusing keys `base` does not have."""
+    if not isinstance(update, dict):
+        raise ParamsError(f"{where}: '{prefix or 'top level'}' must be a mapping, got {update!r}")
+    for key, value in update.items():
+        dotted = f"{prefix}{key}"
+        if key not in base:
+            known = ", ".join(sorted(base))
+            raise ParamsError(f"{where}: unknown key '{dotted}' (known here: {known})")
+        if isinstance(base[key], dict):
+            _merge(where, base[key], value, prefix=f"{dotted}.")
+        else:
+            base[key] = _check_type(where, dotted, base[key], value)
+
+
+def parse_override(text: str) -> dict:
+    """`'train.lr=3e-4'` → `{'train': {'lr': 0.0003}}`; the value is read as YAML."""
+    if "=" not in text:
+        raise ParamsError(f"override {text!r}: expected key=value, e.g. train.steps=100")
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw)
+    nested: dict = {}
+    node = nested
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return nested
+
+
+def resolve_path(path: str | os.PathLike | None) -> Path | None:
+    """Relative paths in params are relative to the repository root, wherever the kernel runs."""
+    if path is None:
+        return None
+    p = Path(os.path.expanduser(str(path)))
+    return p if p.is_absolute() else REPO_ROOT / p
+
+
+def load_params(
+    params_file: str | os.PathLike | None = None,
+    overrides: dict | list[str] | None = None,
+) -> dict:
+    """DEFAULTS ← params file ← overrides, every key checked; returns a fresh nested dict."""
+    params = copy.deepcopy(DEFAULTS)
+    if params_file is not None:
+        path = resolve_path(params_file)
+        if not path.is_file():
+            raise ParamsError(f"params file not found: {path}")
+        try:
+            recipe = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ParamsError(f"{path}: not valid YAML: {err}") from err
+        _merge(str(path), params, recipe)
+    for override in _as_override_dicts(overrides):
+        _merge("override", params, override)
+    return params
+
+
+def _as_override_dicts(overrides: dict | list[str] | None) -> list[dict]:
+    if not overrides:
+        return []
+    if isinstance(overrides, dict):
+        return [overrides]
+    return [parse_override(item) for item in overrides]
+
+
+class RunExistsError(FileExistsError):
+    pass
+
+
+class Run:
+    """One run folder `outputs/<name>/`: the params used, metrics.json, one folder per notebook.
+
+    A step's folder is never overwritten: asking for one that already has files raises unless
+    the run was opened with `overwrite=True`.
+    """
+
+    def __init__(self, path: Path, params: dict, overwrite: bool = False):
+        self.path = path
+        self.params = params
+        self.overwrite = overwrite
+
+    @classmethod
+    def open(cls, run_dir: str | os.PathLike | None, params: dict, overwrite: bool = False) -> Run:
+        path = resolve_path(run_dir) if run_dir else OUTPUTS_DIR / params["run"]["name"]
+        path.mkdir(parents=True, exist_ok=True)
+        saved = path / "params.yaml"
+        if saved.exists() and not overwrite:
+            previous = yaml.safe_load(saved.read_text())
+            if previous != params:
+                raise RunExistsError(
+                    f"{saved} holds different params from this run's; choose another run folder "
+                    "or pass overwrite=True"
+                )
+        else:
+            atomic_write_text(saved, yaml.safe_dump(params, sort_keys=False))
+        return cls(path, params, overwrite)
+
+    def step_dir(self, step: str) -> Path:
+        """The folder of one notebook's outputs, fresh: refuses to reuse a non-empty one."""
+        path = self.path / step
+        if path.exists() and any(path.iterdir()):
+            if not self.overwrite:
+                raise RunExistsError(
+                    f"{path} already holds a previous run's outputs; use another run folder "
+                    "or overwrite=True"
+                )
+            shutil.rmtree(path)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.json"
+
+    def read_metrics(self) -> dict:
+        return read_metrics(self.path)
+
+    def write_metrics(self, step: str, metrics: dict) -> dict:
+        """Record `metrics` under `step` in metrics.json (other steps' entries are kept)."""
+        everything = self.read_metrics()
+        everything[step] = metrics
+        atomic_write_text(self.metrics_path, json.dumps(everything, indent=2, default=_jsonable) + "\n")
+        return everything
+
+
+def read_metrics(run_dir: str | os.PathLike) -> dict:
+    path = Path(run_dir) / "metrics.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"metrics value of type {type(value).__name__} is not JSON-serialisable: {value!r}")
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temporary file beside `path`, then rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ---------------------------------------------------------------- papermill driver
+
+
+class NotebookFailed(RuntimeError):
+    def __init__(self, notebook: Path, output: Path, cell: str, error: str):
+        self.notebook, self.output, self.cell, self.error = notebook, output, cell, error
+        super().__init__(
+            f"notebook {notebook.name} failed in cell {cell}: {error}\n"
+            f"partial executed notebook: {output}"
+        )
+
+
+def notebook_paths(only: list[str] | None = None) -> list[Path]:
+    """The numbered notebooks in order; `only` picks by number prefix, e.g. ['00', '04']."""
+    paths = sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
+    if only:
+        unknown = [n for n in only if not any(p.name.startswith(f"{n}_") for p in paths)]
+        if unknown:
+            raise ParamsError(f"no notebook numbered {', '.join(unknown)} in {NOTEBOOKS_DIR}")
+        paths = [p for p in paths if p.name[:2] in only]
+    return paths
+
+
+def execute_notebook(notebook: Path, output: Path, parameters: dict, cwd: Path | None = None) -> float:
+    """Execute one notebook with papermill; returns wall seconds or raises NotebookFailed."""
+    import papermill
+
+    start = time.perf_counter()
+    try:
+        papermill.execute_notebook(
+            str(notebook),
+            str(output),
+            parameters=parameters,
+            cwd=str(cwd or notebook.parent),
+            kernel_name="python3",
+            progress_bar=False,
+            log_output=False,
+        )
+    except papermill.PapermillExecutionError as err:
+        cell = f"#{err.exec_count}" if err.exec_count is not None else f"index {err.cell_index}"
+        raise NotebookFailed(notebook, output, cell, f"{err.ename}: {err.evalue}") from err
+    return time.perf_counter() - start
+
+
+def run_notebooks(
+    params_file: str | os.PathLike,
+    run_dir: str | os.PathLike | None = None,
+    overrides: list[str] | None = None,
+    only: list[str] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Validate the params, then execute the numbered notebooks in order into the run folder."""
+    params = load_params(params_file, overrides)  # fails here, before any work, on a bad key
+    run = Run.open(run_dir, params, overwrite=overwrite)
+    override_dict: dict = {}
+    for item in _as_override_dicts(overrides):
+        _deep_update(override_dict, item)
+    walls = {}
+    for notebook in notebook_paths(only):
+        output = run.path / notebook.name
+        if output.exists() and not overwrite:
+            raise RunExistsError(f"{output} exists from a previous run; use another run name")
+        print(f"[eagle3 run] {notebook.name} → {output}", flush=True)
+        walls[notebook.stem] = execute_notebook(
+            notebook,
+            output,
+            {
+                "params_file": str(resolve_path(params_file)),
+                "run_dir": str(run.path),
+                "overrides": override_dict,
+                "overwrite": overwrite,
+            },
+        )
+        print(f"[eagle3 run] {notebook.name} done in {walls[notebook.stem]:.1f} s", flush=True)
+    times = run.read_metrics().get("wall_seconds", {})
+    times.update(walls)
+    run.write_metrics("wall_seconds", times)
+    return run.path
+
+
+def _deep_update(base: dict, update: dict) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_update(base[key], value)
+        else:
+            base[key] = value
+
