@@ -1,7 +1,7 @@
 """`eagle3`: one command per single operation; each subcommand is a small function below.
 
-Each subcommand registers itself in `COMMANDS` with `@command(name, help, arguments)`; heavy imports happen inside
-the handlers so `eagle3 --help` stays fast.
+Each subcommand registers itself in `COMMANDS` with `@command(name, help, arguments)`;
+heavy imports happen inside the handlers so `eagle3 --help` stays fast.
 """
 
 from __future__ import annotations
