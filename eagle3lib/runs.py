@@ -242,6 +242,7 @@ def execute_notebook(notebook: Path, output: Path, parameters: dict, cwd: Path |
     """Execute one notebook with papermill; returns wall seconds or raises NotebookFailed."""
     import papermill
 
+    output.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:
         papermill.execute_notebook(

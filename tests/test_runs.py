@@ -1,0 +1,120 @@
+"""Params are strict, run folders are never overwritten, and notebooks run headless."""
+
+from __future__ import annotations
+
+import nbformat
+import pytest
+import yaml
+
+from eagle3lib import cli, runs
+from tests.notebook_harness import run_notebook
+
+
+def write_yaml(path, data):
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_defaults_come_back_when_no_file_is_given():
+    assert runs.load_params() == runs.DEFAULTS
+    assert runs.load_params() is not runs.DEFAULTS
+
+
+def test_misspelled_key_is_refused_naming_key_and_file(tmp_path):
+    recipe = write_yaml(tmp_path / "typo.yaml", {"run": {"sed": 3}})
+    with pytest.raises(runs.ParamsError, match=r"typo\.yaml: unknown key 'run\.sed'"):
+        runs.load_params(recipe)
+
+
+def test_unknown_section_is_refused(tmp_path):
+    recipe = write_yaml(tmp_path / "typo.yaml", {"trian": {"steps": 3}})
+    with pytest.raises(runs.ParamsError, match="unknown key 'trian'"):
+        runs.load_params(recipe)
+
+
+def test_wrong_type_is_refused(tmp_path):
+    recipe = write_yaml(tmp_path / "bad.yaml", {"run": {"seed": "zero"}})
+    with pytest.raises(runs.ParamsError, match=r"bad\.yaml: key 'run\.seed' expects int"):
+        runs.load_params(recipe)
+
+
+def test_overrides_apply_on_top_of_the_file(tmp_path):
+    recipe = write_yaml(tmp_path / "r.yaml", {"run": {"seed": 3, "name": "x"}})
+    params = runs.load_params(recipe, ["run.seed=7"])
+    assert params["run"] == {**runs.DEFAULTS["run"], "seed": 7, "name": "x"}
+    assert runs.load_params(recipe, {"run": {"name": "y"}})["run"]["name"] == "y"
+    with pytest.raises(runs.ParamsError, match="unknown key 'run.seeed'"):
+        runs.load_params(recipe, ["run.seeed=1"])
+    with pytest.raises(runs.ParamsError, match="key=value"):
+        runs.parse_override("run.seed")
+
+
+def test_every_committed_recipe_is_valid():
+    recipes = sorted(runs.REPO_ROOT.glob("params/*.yaml"))
+    assert recipes, "params/ holds no recipe"
+    for recipe in recipes:
+        runs.load_params(recipe)
+
+
+def test_run_folder_keeps_previous_outputs(tmp_path):
+    params = runs.load_params()
+    run = runs.Run.open(tmp_path / "run", params)
+    step = run.step_dir("00_x")
+    (step / "result.txt").write_text("first")
+    with pytest.raises(runs.RunExistsError, match="previous run"):
+        runs.Run.open(tmp_path / "run", params).step_dir("00_x")
+    changed = runs.load_params(overrides=["run.seed=5"])
+    with pytest.raises(runs.RunExistsError, match="different params"):
+        runs.Run.open(tmp_path / "run", changed)
+    assert (step / "result.txt").read_text() == "first"
+    again = runs.Run.open(tmp_path / "run", params, overwrite=True).step_dir("00_x")
+    assert list(again.iterdir()) == []
+
+
+def test_metrics_merge_by_step(tmp_path):
+    run = runs.Run.open(tmp_path, runs.load_params())
+    run.write_metrics("a", {"x": 1})
+    run.write_metrics("b", {"y": [1, 2]})
+    assert runs.read_metrics(tmp_path) == {"a": {"x": 1}, "b": {"y": [1, 2]}}
+
+
+def make_notebook(path, body: str):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    params = nbformat.v4.new_code_cell(
+        'params_file = "params/smoke.yaml"\nrun_dir = "outputs/dev"\noverrides = {}\noverwrite = False'
+    )
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [nbformat.v4.new_markdown_cell("# probe"), params, nbformat.v4.new_code_cell(body)]
+    nbformat.write(nb, path)
+    return path
+
+
+def test_harness_runs_a_notebook_with_injected_params(tmp_path):
+    notebook = make_notebook(
+        tmp_path / "99_probe.ipynb",
+        "from eagle3lib import runs\n"
+        "params = runs.load_params(params_file, overrides)\n"
+        "run = runs.Run.open(run_dir, params, overwrite=overwrite)\n"
+        "run.write_metrics('99_probe', {'seed': params['run']['seed'], 'name': params['run']['name']})",
+    )
+    metrics = run_notebook("99_probe", tmp_path / "run", overrides={"run": {"seed": 11}}, notebook=notebook)
+    assert metrics == {"seed": 11, "name": "smoke"}
+    assert (tmp_path / "run" / "99_probe.ipynb").exists()
+
+
+def test_failing_notebook_names_the_cell_and_the_partial_output(tmp_path):
+    notebook = make_notebook(tmp_path / "98_fail.ipynb", "raise RuntimeError('boom')")
+    output = tmp_path / "out.ipynb"
+    with pytest.raises(runs.NotebookFailed) as err:
+        runs.execute_notebook(notebook, output, {"run_dir": str(tmp_path)})
+    assert "98_fail.ipynb" in str(err.value) and "RuntimeError: boom" in str(err.value)
+    assert str(output) in str(err.value) and output.exists()
+
+
+def test_cli_run_refuses_a_misspelled_key_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(runs, "OUTPUTS_DIR", tmp_path / "outputs")
+    recipe = write_yaml(tmp_path / "typo.yaml", {"run": {"nmae": "x"}})
+    assert cli.main(["run", str(recipe)]) == 2
+    assert "unknown key 'run.nmae'" in capsys.readouterr().err
+    assert not (tmp_path / "outputs").exists()
