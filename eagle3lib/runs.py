@@ -238,7 +238,9 @@ def notebook_paths(only: list[str] | None = None) -> list[Path]:
     return paths
 
 
-def execute_notebook(notebook: Path, output: Path, parameters: dict, cwd: Path | None = None) -> float:
+def execute_notebook(
+    notebook: Path, output: Path, parameters: dict, cwd: Path | None = None, progress_bar: bool = False
+) -> float:
     """Execute one notebook with papermill; returns wall seconds or raises NotebookFailed."""
     import papermill
 
@@ -251,7 +253,7 @@ def execute_notebook(notebook: Path, output: Path, parameters: dict, cwd: Path |
             parameters=parameters,
             cwd=str(cwd or notebook.parent),
             kernel_name="python3",
-            progress_bar=False,
+            progress_bar=progress_bar,
             log_output=False,
         )
     except papermill.PapermillExecutionError as err:
@@ -273,13 +275,12 @@ def run_notebooks(
     override_dict: dict = {}
     for item in _as_override_dicts(overrides):
         _deep_update(override_dict, item)
-    walls = {}
     for notebook in notebook_paths(only):
         output = run.path / notebook.name
         if output.exists() and not overwrite:
             raise RunExistsError(f"{output} exists from a previous run; use another run name")
         print(f"[eagle3 run] {notebook.name} → {output}", flush=True)
-        walls[notebook.stem] = execute_notebook(
+        seconds = execute_notebook(
             notebook,
             output,
             {
@@ -288,11 +289,11 @@ def run_notebooks(
                 "overrides": override_dict,
                 "overwrite": overwrite,
             },
+            progress_bar=True,
         )
-        print(f"[eagle3 run] {notebook.name} done in {walls[notebook.stem]:.1f} s", flush=True)
-    times = run.read_metrics().get("wall_seconds", {})
-    times.update(walls)
-    run.write_metrics("wall_seconds", times)
+        walls = run.read_metrics().get("wall_seconds", {})
+        run.write_metrics("wall_seconds", {**walls, notebook.stem: seconds})
+        print(f"[eagle3 run] {notebook.name} done in {seconds:.1f} s", flush=True)
     return run.path
 
 
