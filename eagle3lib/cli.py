@@ -51,6 +51,26 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _diff_vocab_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("a", help="map A: a drafter checkpoint folder or a map file (d2t/t2d)")
+    p.add_argument("b", help="map B: same kinds as A")
+    p.add_argument("--counts", help="token-count table (safetensors 'counts' [Vt]) for coverage")
+    p.add_argument("--json", action="store_true", help="print the full result as JSON")
+
+
+@command("diff-vocab", "compare two vocab maps: agreement, overlap, coverage", _diff_vocab_arguments)
+def _diff_vocab(args: argparse.Namespace) -> int:
+    import json
+
+    from eagle3lib import vocab
+
+    a, b = vocab.VocabMap.load(args.a), vocab.VocabMap.load(args.b)
+    counts = vocab.load_counts(args.counts, a.vt) if args.counts else None
+    result = vocab.diff(a, b, counts)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.summary())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
