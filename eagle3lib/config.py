@@ -1,0 +1,456 @@
+"""`DrafterConfig`: one description of an EAGLE-3 drafter, read from and written to each layout's config.json.
+
+Two layouts exist (FORMATS.md §2):
+- SGLang / SpecForge / EAGLE / AQ-MedAI: a flat Llama config, `architectures: ["LlamaForCausalLMEagle3"]`,
+  aux ids under `eagle_config`.
+- speculators (vLLM's training library): `speculators_model_type: "eagle3"`, the decoder layer's settings
+  under `transformer_layer_config`, flags at the top level.
+
+Aux-layer ids. eagle3lib has one convention: id i = the output of target decoder layer i = Hugging Face
+`hidden_states[i + 1]` (SGLang's numbering). speculators and vLLM number the state *entering* layer i, so
+the same layers carry ids one larger there; `aux_ids_to_vllm` / `aux_ids_from_vllm` convert when a
+speculators config is written or read.
+
+`norm_before_residual` defaults differ between engines, so it is always written explicitly. When a file
+lacks it: SGLang has no such option (it behaves as False) and vLLM's Llama EAGLE-3 model reads a missing
+key as False, so an SGLang-layout config without the key means False; vLLM's speculators config reader
+fills in True (the speculators class itself defaults to False), and vLLM is what serves that layout, so a
+speculators-layout config without the key means True. Either assumption is reported as a note.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle3lib.runs import atomic_write_text
+
+SGLANG_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+SPECULATORS_ARCHITECTURES = ("Eagle3DraftModel", "Eagle3Speculator")
+LAYOUTS = ("sglang", "speculators")
+
+# RoPE variants whose frequencies depend only on the config (computed with transformers' own functions);
+# "dynamic" and "longrope" change with the sequence length and are refused.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class ConfigError(ValueError):
+    """A drafter config that is malformed, contradicts itself, or asks for something eagle3lib cannot do."""
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default aux layers for an N-layer target, in eagle3lib's numbering: [1, N//2-1, N-4]."""
+    ids = [1, num_layers // 2 - 1, num_layers - 4]
+    if not all(a < b for a, b in zip(ids, ids[1:], strict=False)) or ids[0] < 0:
+        raise ConfigError(
+            f"a {num_layers}-layer target has no distinct default aux layers ({ids}); give aux_layer_ids "
+            "explicitly"
+        )
+    return ids
+
+
+def aux_ids_to_vllm(ids: list[int]) -> list[int]:
+    """eagle3lib/SGLang ids (output of layer i) → speculators/vLLM ids (state entering layer i+1)."""
+    return [i + 1 for i in ids]
+
+
+def aux_ids_from_vllm(ids: list[int]) -> list[int]:
+    """speculators/vLLM ids → eagle3lib/SGLang ids."""
+    return [i - 1 for i in ids]
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int  # H
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # Vt, the target's vocab
+    draft_vocab_size: int  # Vd
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # Hugging Face form with "rope_type"; None = plain RoPE
+    max_position_embeddings: int = 2048
+    target_hidden_size: int | None = None  # Ht; None means H
+    aux_layer_ids: list[int] | None = None  # eagle3lib numbering; None = the engine's default for the target
+    norm_before_residual: bool = False  # residual is hidden_norm(h) instead of h (speculators/vLLM option)
+    # Options eagle3lib cannot honour yet: refused when set, never ignored.
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    num_hidden_layers: int = 1
+    hidden_act: str = "silu"
+    # speculators_config fields, kept so speculators → sglang → speculators keeps them.
+    speculative_tokens: int = 3
+    verifier: str | None = None  # the target's name or path
+    verifier_architectures: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.aux_layer_ids is not None:
+            self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
+        if self.rope_scaling is not None:
+            scaling = dict(self.rope_scaling)
+            scaling.setdefault("rope_type", scaling.pop("type", "default"))
+            scaling.pop("rope_theta", None)
+            self.rope_scaling = None if scaling["rope_type"] == "default" and len(scaling) == 1 else scaling
+
+    @property
+    def num_aux_layers(self) -> int:
+        """A: how many target hidden states `fc` takes (EAGLE-3 uses 3 when the config names none)."""
+        return len(self.aux_layer_ids) if self.aux_layer_ids is not None else 3
+
+    @property
+    def fc_in_features(self) -> int:
+        return self.num_aux_layers * self.target_hidden_size
+
+    @property
+    def rope_parameters(self) -> dict:
+        """RoPE settings in the form transformers 5 uses (`rope_theta` inside)."""
+        return {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+
+    def check(self, where: str = "DrafterConfig") -> None:
+        """Raise ConfigError naming `where` and the option for anything malformed or unsupported."""
+        refused = {
+            "norm_before_fc": self.norm_before_fc,
+            "fc_norm": self.fc_norm,
+            "norm_output": self.norm_output,
+        }
+        for option, value in refused.items():
+            if value:
+                raise ConfigError(
+                    f"{where}: {option}=true is not supported by eagle3lib's drafter (it would compute "
+                    "something else than the checkpoint was trained for); refusing instead of ignoring it"
+                )
+        if self.num_hidden_layers != 1:
+            raise ConfigError(
+                f"{where}: num_hidden_layers={self.num_hidden_layers}; eagle3lib supports one-layer "
+                "EAGLE-3 drafters only (extra layers, SGLang's additional_layers.*, are not implemented)"
+            )
+        if self.hidden_act != "silu":
+            raise ConfigError(f"{where}: hidden_act={self.hidden_act!r} is not supported (only 'silu')")
+        rope_type = self.rope_parameters["rope_type"]
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(
+                f"{where}: rope type {rope_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
+        sizes = {
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+        for name, value in sizes.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{where}: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"{where}: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.draft_vocab_size > self.vocab_size:
+            raise ConfigError(
+                f"{where}: draft_vocab_size={self.draft_vocab_size} exceeds vocab_size={self.vocab_size}"
+            )
+        if self.aux_layer_ids is not None:
+            ids = self.aux_layer_ids
+            if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+                raise ConfigError(
+                    f"{where}: aux layer ids {ids} (eagle3lib numbering) must be distinct and >= 0"
+                )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def for_target(
+        cls,
+        target_config: Any,
+        draft_vocab_size: int,
+        aux_layer_ids: list[int] | None = None,
+        norm_before_residual: bool = False,
+    ) -> DrafterConfig:
+        """A drafter shaped like one decoder layer of a Hugging Face Llama-style target config."""
+        heads = target_config.num_attention_heads
+        rope = dict(getattr(target_config, "rope_parameters", None) or {})
+        rope_theta = float(rope.pop("rope_theta", getattr(target_config, "rope_theta", 10000.0)))
+        return cls(
+            hidden_size=target_config.hidden_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+            intermediate_size=target_config.intermediate_size,
+            vocab_size=target_config.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            rms_norm_eps=float(target_config.rms_norm_eps),
+            rope_theta=rope_theta,
+            rope_scaling=rope or getattr(target_config, "rope_scaling", None),
+            max_position_embeddings=target_config.max_position_embeddings,
+            target_hidden_size=target_config.hidden_size,
+            aux_layer_ids=(
+                aux_layer_ids
+                if aux_layer_ids is not None
+                else default_aux_layer_ids(target_config.num_hidden_layers)
+            ),
+            norm_before_residual=norm_before_residual,
+        )
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_config(path: str | Path) -> tuple[DrafterConfig, str, list[str]]:
+    """Read a drafter's config.json (or the folder holding it) → (config, layout, notes).
+
+    `layout` is "sglang" or "speculators"; `notes` lists every default that had to be assumed.
+    """
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"no drafter config: {file} does not exist")
+    try:
+        raw = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{file}: not valid JSON ({err})") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    layout = config_layout(raw, str(file))
+    notes: list[str] = []
+    reader = _from_speculators if layout == "speculators" else _from_sglang
+    config = reader(raw, str(file), notes)
+    config.check(str(file))
+    return config, layout, notes
+
+
+def config_layout(raw: dict, where: str) -> str:
+    """Which layout a parsed config.json belongs to; unknown architectures are refused."""
+    architectures = raw.get("architectures") or []
+    if "speculators_model_type" in raw or "transformer_layer_config" in raw:
+        kind = raw.get("speculators_model_type")
+        if kind != "eagle3":
+            raise ConfigError(
+                f"{where}: speculators_model_type={kind!r}; only 'eagle3' drafters are supported"
+            )
+        return "speculators"
+    if any(a in SGLANG_ARCHITECTURES for a in architectures):
+        return "sglang"
+    known = ", ".join(SGLANG_ARCHITECTURES + SPECULATORS_ARCHITECTURES)
+    raise ConfigError(
+        f"{where}: architectures={architectures!r} is not an EAGLE-3 drafter this project knows ({known}); a "
+        "drafter labelled with its target's class (e.g. LlamaForCausalLM) also fails to load in SGLang"
+    )
+
+
+def _require(raw: dict, key: str, where: str) -> Any:
+    if raw.get(key) is None:
+        raise ConfigError(f"{where}: required key '{key}' is missing")
+    return raw[key]
+
+
+def _refuse_biases(raw: dict, where: str) -> None:
+    for key in ("attention_bias", "mlp_bias"):
+        if raw.get(key):
+            raise ConfigError(f"{where}: {key}=true is not supported (EAGLE-3 drafters have no biases)")
+
+
+def _read_rope(raw: dict, where: str) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from `rope_theta`/`rope_scaling` or transformers 5's `rope_parameters`."""
+    parameters = raw.get("rope_parameters")
+    if parameters is not None:
+        if not isinstance(parameters, dict) or "rope_theta" not in parameters:
+            raise ConfigError(
+                f"{where}: rope_parameters must be an object with rope_theta, got {parameters!r}"
+            )
+        scaling = {k: v for k, v in parameters.items() if k != "rope_theta"}
+        return float(parameters["rope_theta"]), scaling
+    return float(raw.get("rope_theta", 10000.0)), raw.get("rope_scaling")
+
+
+def _layer_fields(raw: dict, where: str) -> dict:
+    """The decoder-layer settings shared by both layouts (flat in SGLang's, nested in speculators')."""
+    _refuse_biases(raw, where)
+    hidden_size = int(_require(raw, "hidden_size", where))
+    heads = int(_require(raw, "num_attention_heads", where))
+    rope_theta, rope_scaling = _read_rope(raw, where)
+    return dict(
+        hidden_size=hidden_size,
+        num_attention_heads=heads,
+        num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden_size // heads),
+        intermediate_size=int(_require(raw, "intermediate_size", where)),
+        vocab_size=int(_require(raw, "vocab_size", where)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        num_hidden_layers=int(raw.get("num_hidden_layers", 1)),
+        hidden_act=str(raw.get("hidden_act", "silu")),
+    )
+
+
+def _from_sglang(raw: dict, where: str, notes: list[str]) -> DrafterConfig:
+    fields = _layer_fields(raw, where)
+    eagle_config = raw.get("eagle_config") or {}
+    if eagle_config.get("use_aux_hidden_state") is False:
+        raise ConfigError(
+            f"{where}: eagle_config.use_aux_hidden_state=false is an EAGLE-1/2 drafter, not EAGLE-3"
+        )
+    aux = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    if aux is None:
+        notes.append("no eagle_aux_hidden_state_layer_ids: engines use the target's default [1, N//2-1, N-4]")
+    if "norm_before_residual" not in raw:
+        notes.append("norm_before_residual absent: False (SGLang semantics; vLLM reads this layout the same)")
+    if "draft_vocab_size" not in raw:
+        notes.append("draft_vocab_size absent: equal to vocab_size, as SGLang assumes")
+    return DrafterConfig(
+        **fields,
+        draft_vocab_size=int(raw.get("draft_vocab_size") or fields["vocab_size"]),
+        target_hidden_size=raw.get("target_hidden_size"),
+        aux_layer_ids=aux,
+        norm_before_residual=bool(raw.get("norm_before_residual", False)),
+        norm_before_fc=bool(raw.get("norm_before_fc", False)),
+        fc_norm=bool(raw.get("fc_norm", False)),
+        norm_output=bool(raw.get("norm_output", False)),
+    )
+
+
+def _from_speculators(raw: dict, where: str, notes: list[str]) -> DrafterConfig:
+    architectures = raw.get("architectures") or []
+    if architectures and not any(a in SPECULATORS_ARCHITECTURES for a in architectures):
+        raise ConfigError(
+            f"{where}: architectures={architectures!r}; a speculators EAGLE-3 drafter is one of "
+            f"{', '.join(SPECULATORS_ARCHITECTURES)}"
+        )
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ConfigError(f"{where}: transformer_layer_config is missing or not an object")
+    if layer.get("model_type", "llama") != "llama":
+        raise ConfigError(
+            f"{where}: transformer_layer_config.model_type={layer.get('model_type')!r}; only Llama decoder "
+            "layers are supported"
+        )
+    fields = _layer_fields(layer, f"{where} (transformer_layer_config)")
+    aux = raw.get("eagle_aux_hidden_state_layer_ids")
+    if aux is None:
+        notes.append("no eagle_aux_hidden_state_layer_ids: vLLM uses the target's default (2, N//2, N-3)")
+    if "norm_before_residual" not in raw:
+        notes.append("norm_before_residual absent: True, as vLLM reads a speculators config")
+    speculators = raw.get("speculators_config") or {}
+    proposals = speculators.get("proposal_methods") or [{}]
+    verifier = speculators.get("verifier") or {}
+    return DrafterConfig(
+        **fields,
+        draft_vocab_size=int(_require(raw, "draft_vocab_size", where)),
+        target_hidden_size=raw.get("target_hidden_size"),
+        aux_layer_ids=aux_ids_from_vllm(aux) if aux is not None else None,
+        norm_before_residual=bool(raw.get("norm_before_residual", True)),
+        norm_before_fc=bool(raw.get("norm_before_fc", False)),
+        fc_norm=bool(raw.get("fc_norm", False)),
+        norm_output=bool(raw.get("norm_output", False)),
+        speculative_tokens=int(proposals[0].get("speculative_tokens", 3)),
+        verifier=verifier.get("name_or_path"),
+        verifier_architectures=list(verifier.get("architectures") or []),
+    )
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _layer_dict(config: DrafterConfig) -> dict:
+    return {
+        "model_type": "llama",
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "hidden_act": config.hidden_act,
+        "vocab_size": config.vocab_size,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+    }
+
+
+def to_sglang_dict(config: DrafterConfig, dtype: str = "float32") -> dict:
+    """config.json of the SGLang layout, every flag explicit."""
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_layer_dict(config),
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        # legacy keys: every engine version reads them (transformers 5 turns them into rope_parameters)
+        "rope_theta": config.rope_theta,
+        "rope_scaling": copy.deepcopy(config.rope_scaling),
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": config.aux_layer_ids,
+            "use_aux_hidden_state": True,
+        },
+        "norm_before_residual": config.norm_before_residual,
+        "norm_before_fc": config.norm_before_fc,
+        "fc_norm": config.fc_norm,
+        "norm_output": config.norm_output,
+        "torch_dtype": dtype,
+    }
+
+
+def to_speculators_dict(config: DrafterConfig, dtype: str = "float32") -> dict:
+    """config.json of the speculators layout, every flag explicit, aux ids in vLLM numbering."""
+    layer = {**_layer_dict(config), "rope_parameters": config.rope_parameters}
+    return {
+        "architectures": ["Eagle3DraftModel"],
+        "speculators_model_type": "eagle3",
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": (
+            aux_ids_to_vllm(config.aux_layer_ids) if config.aux_layer_ids is not None else None
+        ),
+        "norm_before_residual": config.norm_before_residual,
+        "norm_before_fc": config.norm_before_fc,
+        "fc_norm": config.fc_norm,
+        "norm_output": config.norm_output,
+        "embed_requires_grad": False,
+        "tie_word_embeddings": False,
+        "transformer_layer_config": layer,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": config.speculative_tokens,
+                    "accept_tolerance": 0.0,
+                    "verifier_accept_k": 1,
+                }
+            ],
+            "verifier": {
+                "name_or_path": config.verifier,
+                "architectures": list(config.verifier_architectures),
+            },
+        },
+        "dtype": dtype,
+    }
+
+
+def write_config(config: DrafterConfig, folder: str | Path, layout: str, dtype: str = "float32") -> Path:
+    """Write `folder/config.json` in `layout` ("sglang" or "speculators")."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+    raw = to_sglang_dict(config, dtype) if layout == "sglang" else to_speculators_dict(config, dtype)
+    path = Path(folder) / "config.json"
+    atomic_write_text(path, json.dumps(raw, indent=2) + "\n")
+    return path

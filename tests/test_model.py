@@ -1,0 +1,337 @@
+"""Eagle3Drafter against speculators 0.9.0's outputs, a plain reference forward, and its own cache paths."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3lib.config import ConfigError, DrafterConfig
+from eagle3lib.model import Eagle3Drafter
+
+FIXTURES = Path(__file__).parent / "fixtures" / "speculators-0.9.0"
+SGLANG_KEYS = {
+    "fc.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "norm.weight",
+    "lm_head.weight",
+}
+
+
+def tiny_config(**overrides) -> DrafterConfig:
+    fields = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        vocab_size=64,
+        draft_vocab_size=24,
+        target_hidden_size=40,
+        aux_layer_ids=[1, 3, 4],
+        rope_theta=10000.0,
+    )
+    fields.update(overrides)
+    return DrafterConfig(**fields)
+
+
+def tiny_drafter(seed: int = 0, **overrides) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(tiny_config(**overrides))
+    with torch.no_grad():  # norms away from 1 so that every weight matters
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.uniform_(0.5, 1.5)
+    drafter.attach_embedding(torch.randn(64, 32))
+    return drafter.eval()
+
+
+def fixture_drafter(name: str) -> tuple[Eagle3Drafter, dict]:
+    """Fixture weights loaded by hand (the checkpoint loader has its own tests)."""
+    from eagle3lib.config import read_config
+
+    config, _, _ = read_config(FIXTURES / name)
+    tensors = {
+        k.replace("layers.0.", "midlayer."): v
+        for k, v in load_file(FIXTURES / name / "model.safetensors").items()
+    }
+    drafter = Eagle3Drafter(config, embed_tokens="embed_tokens.weight" in tensors)
+    drafter.load_state_dict(tensors, strict=True)
+    if "embed_tokens.weight" not in tensors:
+        drafter.attach_embedding(load_file(FIXTURES / f"{name}_embed.safetensors")["embed_tokens.weight"])
+    return drafter.eval(), load_file(FIXTURES / f"{name}_reference.safetensors")
+
+
+# ------------------------------------------------------------------------ plain reference (FORMATS.md §1)
+
+
+def reference_forward(drafter: Eagle3Drafter, input_ids, aux, position_ids) -> torch.Tensor:
+    """Step-0 logits written out from the formulas, in float64, one head at a time."""
+    c = drafter.config
+    w = {k: v.double() for k, v in drafter.state_dict().items() if v.is_floating_point()}
+    embedding = drafter.target_embedding.double()
+
+    def rms(x, weight):
+        return weight * x / torch.sqrt((x * x).mean(-1, keepdim=True) + c.rms_norm_eps)
+
+    def rope(x, positions):  # x [T, d]: pairs (i, i + d/2) rotated by angle p * theta^(-2i/d)
+        d = x.shape[-1]
+        i = torch.arange(d // 2, dtype=torch.float64)
+        angle = positions.double()[:, None] * c.rope_theta ** (-2 * i / d)
+        a, b = x[:, : d // 2], x[:, d // 2 :]
+        return torch.cat([a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()], -1)
+
+    logits = []
+    for row_ids, row_aux, row_pos in zip(input_ids, aux, position_ids, strict=True):
+        h = row_aux.double() @ w["fc.weight"].T
+        e = embedding[row_ids]
+        normed_h = rms(h, w["midlayer.hidden_norm.weight"])
+        x = torch.cat([rms(e, w["midlayer.input_layernorm.weight"]), normed_h], -1)
+        q = x @ w["midlayer.self_attn.q_proj.weight"].T
+        k = x @ w["midlayer.self_attn.k_proj.weight"].T
+        v = x @ w["midlayer.self_attn.v_proj.weight"].T
+        T, d = len(row_ids), c.head_dim
+        heads = []
+        for head in range(c.num_attention_heads):
+            kv = head // (c.num_attention_heads // c.num_key_value_heads)
+            qh = rope(q[:, head * d : (head + 1) * d], row_pos)
+            kh = rope(k[:, kv * d : (kv + 1) * d], row_pos)
+            vh = v[:, kv * d : (kv + 1) * d]
+            scores = qh @ kh.T / d**0.5
+            scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+            heads.append(scores.softmax(-1) @ vh)
+        attn = torch.cat(heads, -1) @ w["midlayer.self_attn.o_proj.weight"].T
+        residual = normed_h if c.norm_before_residual else h
+        h1 = residual + attn
+        m = rms(h1, w["midlayer.post_attention_layernorm.weight"])
+        gate = m @ w["midlayer.mlp.gate_proj.weight"].T
+        mlp = (gate * torch.sigmoid(gate) * (m @ w["midlayer.mlp.up_proj.weight"].T)) @ w[
+            "midlayer.mlp.down_proj.weight"
+        ].T
+        out = h1 + mlp
+        logits.append(rms(out, w["norm.weight"]) @ w["lm_head.weight"].T)
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_forward_matches_plain_reference(norm_before_residual):
+    drafter = tiny_drafter(norm_before_residual=norm_before_residual)
+    torch.manual_seed(1)
+    input_ids = torch.randint(0, 64, (2, 7))
+    aux = torch.randn(2, 7, 3 * 40)
+    positions = torch.tensor([[1, 2, 3, 4, 5, 6, 7], [4, 5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        logits = drafter(input_ids, aux, positions)
+    expected = reference_forward(drafter, input_ids, aux, positions)
+    assert logits.shape == (2, 7, 24)
+    torch.testing.assert_close(logits.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_norm_before_residual_changes_the_output():
+    a, b = tiny_drafter(norm_before_residual=False), tiny_drafter(norm_before_residual=True)
+    assert all(
+        torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
+    input_ids, aux = torch.randint(0, 64, (1, 5)), torch.randn(1, 5, 120)
+    with torch.no_grad():
+        assert (a(input_ids, aux) - b(input_ids, aux)).abs().max() > 1e-2
+
+
+# ----------------------------------------------------------------------------- speculators 0.9.0 fixtures
+
+
+@pytest.mark.parametrize("name", ["speculators_tiny", "sglang_tiny"])
+def test_step0_and_ttt_match_speculators(name):
+    drafter, ref = fixture_drafter(name)
+    with torch.no_grad():
+        torch.testing.assert_close(drafter.fc(ref["hidden_states"]), ref["fc_out"], atol=1e-6, rtol=1e-6)
+        logits = drafter(ref["input_ids"], ref["hidden_states"])  # default positions 1..T
+        torch.testing.assert_close(logits, ref["logits_step0"], atol=1e-5, rtol=1e-5)
+        all_logits, layer_outs = drafter.unroll(ref["input_ids"], ref["hidden_states"], steps=3)
+    torch.testing.assert_close(all_logits, ref["logits_all_steps"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer_outs, ref["layer_out_all_steps"], atol=1e-5, rtol=1e-5)
+    assert torch.equal(all_logits.argmax(-1), ref["draft_token_ids"])
+    assert torch.equal(drafter.draft_to_target(all_logits.argmax(-1)), ref["draft_token_ids_target"])
+
+
+def test_unroll_steps_yields_the_same_as_unroll():
+    drafter = tiny_drafter()
+    input_ids, aux = torch.randint(0, 64, (2, 6)), torch.randn(2, 6, 120)
+    with torch.no_grad():
+        logits, outs = drafter.unroll(input_ids, aux, steps=4)
+        for k, (step_logits, step_out) in enumerate(drafter.unroll_steps(input_ids, aux, steps=4)):
+            assert torch.equal(step_logits, logits[k]) and torch.equal(step_out, outs[k])
+        assert torch.equal(logits[0], drafter(input_ids, aux))
+
+
+# ----------------------------------------------------------------------------- incremental decoding
+
+
+def test_step_with_cache_equals_full_forward():
+    drafter = tiny_drafter()
+    input_ids, aux = torch.randint(0, 64, (2, 9)), torch.randn(2, 9, 120)
+    positions = drafter.default_position_ids(input_ids)
+    with torch.no_grad():
+        full = drafter(input_ids, aux)
+        cache = drafter.new_cache()
+        prefix_logits, _ = drafter.step(input_ids[:, :4], aux[:, :4], positions[:, :4], cache)
+        pieces = [prefix_logits]
+        for t in range(4, 9):  # one position at a time, target states through fc
+            logits, _ = drafter.step(
+                input_ids[:, t : t + 1], aux[:, t : t + 1], positions[:, t : t + 1], cache
+            )
+            pieces.append(logits)
+    assert len(cache) == 9
+    torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_diagonal_mask_on_cache_reproduces_ttt_step_1():
+    """Step 1 of the unroll, recomputed with the incremental path and an explicit [T, 2T] mask."""
+    drafter = tiny_drafter()
+    T = 6
+    input_ids, aux = torch.randint(0, 64, (1, T)), torch.randn(1, T, 120)
+    positions = drafter.default_position_ids(input_ids)
+    with torch.no_grad():
+        logits, outs = drafter.unroll(input_ids, aux, steps=2)
+        cache = drafter.new_cache()
+        drafter.step(input_ids, aux, positions, cache)
+        mask = torch.cat([torch.ones(T, T).tril(), torch.eye(T)], dim=1).bool()[None]
+        shifted = torch.cat([input_ids[:, 1:], torch.zeros(1, 1, dtype=torch.long)], 1)
+        step1_logits, step1_out = drafter.step(shifted, outs[0], positions + 1, cache, attention_mask=mask)
+    torch.testing.assert_close(step1_logits, logits[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step1_out, outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_tree_mask_keeps_branches_apart_and_crop_rolls_back():
+    drafter = tiny_drafter()
+    n = 5
+    prefix_ids, prefix_aux = torch.randint(0, 64, (1, n)), torch.randn(1, n, 120)
+    prefix_pos = drafter.default_position_ids(prefix_ids)
+    with torch.no_grad():
+        cache = drafter.new_cache()
+        _, prefix_out = drafter.step(prefix_ids, prefix_aux, prefix_pos, cache)
+        root_hidden = prefix_out[:, -1:]
+        # tree: a and b are siblings after the prefix, c is a's child
+        tree_ids = torch.tensor([[7, 11, 13]])
+        tree_hidden = torch.cat([root_hidden, root_hidden, torch.randn(1, 1, 32)], 1)
+        tree_pos = torch.tensor([[n + 1, n + 1, n + 2]])
+        tree = torch.tensor([[1, 0, 0], [0, 1, 0], [1, 0, 1]], dtype=torch.bool)
+        mask = torch.cat([torch.ones(3, n, dtype=torch.bool), tree], 1)[None]
+        tree_logits, _ = drafter.step(tree_ids, tree_hidden, tree_pos, cache, attention_mask=mask)
+        assert len(cache) == n + 3
+
+        cache.crop(n)
+        assert len(cache) == n
+        chain_a, _ = drafter.step(tree_ids[:, :1], tree_hidden[:, :1], tree_pos[:, :1], cache)
+        chain_c, _ = drafter.step(tree_ids[:, 2:], tree_hidden[:, 2:], tree_pos[:, 2:], cache)
+        cache.crop(n)
+        chain_b, _ = drafter.step(tree_ids[:, 1:2], tree_hidden[:, 1:2], tree_pos[:, 1:2], cache)
+    chain = torch.cat([chain_a, chain_b, chain_c], 1)
+    torch.testing.assert_close(tree_logits, chain, atol=1e-5, rtol=1e-5)
+    # without the mask, b would see a: the tree mask is doing something
+    with torch.no_grad():
+        cache.crop(n)
+        causal_logits, _ = drafter.step(tree_ids, tree_hidden, tree_pos, cache)
+    assert (causal_logits[:, 1] - chain_b[:, 0]).abs().max() > 1e-4
+
+
+def test_cache_and_mask_errors():
+    drafter = tiny_drafter()
+    cache = drafter.new_cache()
+    ids, pos = torch.randint(0, 64, (1, 3)), torch.arange(1, 4)[None]
+    with torch.no_grad():
+        drafter.step(ids, torch.randn(1, 3, 120), pos, cache)
+        with pytest.raises(ValueError, match="attention_mask must be bool"):
+            drafter.step(
+                ids[:, :1], torch.randn(1, 1, 32), pos[:, :1], cache, torch.ones(1, 1, 3, dtype=torch.bool)
+            )
+        with pytest.raises(ValueError, match="cannot crop"):
+            cache.crop(10)
+        with pytest.raises(ValueError, match="hidden states of width 50"):
+            drafter(ids, torch.randn(1, 3, 50))
+
+
+# ----------------------------------------------------------------------------- module surface
+
+
+def test_parameter_names_are_the_sglang_checkpoint_keys():
+    drafter = Eagle3Drafter(tiny_config())
+    assert set(drafter.state_dict()) == SGLANG_KEYS | {"d2t", "t2d"}
+    drafter.attach_embedding(torch.randn(64, 32))
+    assert set(drafter.state_dict()) == SGLANG_KEYS | {"d2t", "t2d"}  # the target's embedding is never saved
+    assert not any(name.startswith("target_embedding") for name, _ in drafter.named_parameters())
+    owned = Eagle3Drafter(tiny_config(), embed_tokens=True)
+    assert set(owned.state_dict()) == SGLANG_KEYS | {"d2t", "t2d", "embed_tokens.weight"}
+    assert not owned.embed_tokens.weight.requires_grad
+    assert drafter.lm_head.weight.shape == (24, 32) and drafter.fc.weight.shape == (32, 120)
+    assert drafter.d2t.dtype == torch.int64 and drafter.t2d.dtype == torch.bool and drafter.t2d.sum() == 24
+
+
+def test_embedding_is_required_and_checked():
+    drafter = Eagle3Drafter(tiny_config())
+    with pytest.raises(RuntimeError, match="attach_embedding"):
+        drafter(torch.zeros(1, 2, dtype=torch.long), torch.randn(1, 2, 120))
+    with pytest.raises(ValueError, match=r"expected \[64, 32\]"):
+        drafter.attach_embedding(torch.randn(63, 32))
+    owned = Eagle3Drafter(tiny_config(), embed_tokens=True)
+    target = torch.randn(64, 32)
+    owned.attach_embedding(target)  # the target's replaces the carried one, as the engines do
+    assert "embed_tokens.weight" not in owned.state_dict()
+    assert torch.equal(owned.embed(torch.tensor([3])), target[3:4])
+
+
+def test_draft_to_target_uses_d2t_offsets():
+    drafter = Eagle3Drafter(tiny_config())
+    drafter.d2t.copy_(torch.arange(24) * 2 % 40)
+    ids = torch.tensor([[0, 5, 23]])
+    assert torch.equal(drafter.draft_to_target(ids), ids + (ids * 2 % 40))
+
+
+@pytest.mark.parametrize(
+    "option", [{"norm_before_fc": True}, {"fc_norm": True}, {"norm_output": True}, {"num_hidden_layers": 2}]
+)
+def test_refused_options_name_themselves(option):
+    name = next(iter(option))
+    with pytest.raises(ConfigError, match=name):
+        Eagle3Drafter(tiny_config(**option))
+
+
+def test_scaled_rope_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    drafter = Eagle3Drafter(
+        tiny_config(rope_scaling=scaling, rope_theta=500000.0, max_position_embeddings=512)
+    )
+    positions = torch.arange(0, 300, 7)[None]
+    cos, sin = drafter.rotary_emb(positions, torch.float32)
+    hf = LlamaRotaryEmbedding(
+        LlamaConfig(
+            hidden_size=32,
+            num_attention_heads=4,
+            head_dim=8,
+            max_position_embeddings=512,
+            rope_parameters={**scaling, "rope_theta": 500000.0},
+        )
+    )
+    hf_cos, hf_sin = hf(torch.zeros(1, 1, 8), positions)
+    torch.testing.assert_close(cos, hf_cos)
+    torch.testing.assert_close(sin, hf_sin)
+    plain = Eagle3Drafter(tiny_config(rope_theta=500000.0)).rotary_emb(positions, torch.float32)[0]
+    assert (plain - cos).abs().max() > 1e-3
