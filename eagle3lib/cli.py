@@ -71,6 +71,42 @@ def _diff_vocab(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="a drafter checkpoint folder (SGLang or speculators layout)")
+    p.add_argument("--json", action="store_true", help="print everything as JSON")
+
+
+@command("inspect", "describe a drafter checkpoint: layout, config, tensors, vocab map", _inspect_arguments)
+def _inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from eagle3lib import checkpoint
+
+    info = checkpoint.inspect_checkpoint(args.path)
+    print(json.dumps(info, indent=2) if args.json else checkpoint.format_inspection(info))
+    return 0 if info["report"]["ok"] else 1
+
+
+def _convert_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="a drafter checkpoint folder")
+    p.add_argument("--to", required=True, choices=["sglang", "speculators"], help="the layout to write")
+    p.add_argument("-o", "--output", required=True, help="the new checkpoint folder (must not exist)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+
+
+@command("convert", "rewrite a drafter checkpoint in the SGLang or speculators layout", _convert_arguments)
+def _convert(args: argparse.Namespace) -> int:
+    from eagle3lib import checkpoint
+
+    try:
+        report = checkpoint.convert(args.src, args.output, args.to, overwrite=args.overwrite)
+    except FileExistsError as err:
+        print(f"eagle3 convert: error: {err}", file=sys.stderr)
+        return 2
+    print(f"eagle3 convert: {report.path} ({report.layout}; {report.summary()}) → {args.output} ({args.to})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)

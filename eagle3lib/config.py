@@ -31,6 +31,10 @@ from eagle3lib.runs import atomic_write_text
 SGLANG_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 SPECULATORS_ARCHITECTURES = ("Eagle3DraftModel", "Eagle3Speculator")
 LAYOUTS = ("sglang", "speculators")
+# The SGLang layout keeps speculators_config's fields (verifier, proposal length) under this key so that
+# speculators → sglang → speculators loses nothing. Not "speculators_config": vLLM reads any config with
+# that key as the speculators layout.
+SPECULATION_KEY = "eagle3lib_speculation"
 
 # RoPE variants whose frequencies depend only on the config (computed with transformers' own functions);
 # "dynamic" and "longrope" change with the sequence length and are refused.
@@ -322,6 +326,18 @@ def _from_sglang(raw: dict, where: str, notes: list[str]) -> DrafterConfig:
         norm_before_fc=bool(raw.get("norm_before_fc", False)),
         fc_norm=bool(raw.get("fc_norm", False)),
         norm_output=bool(raw.get("norm_output", False)),
+        **_read_speculation(raw.get(SPECULATION_KEY) or {}),
+    )
+
+
+def _read_speculation(block: dict) -> dict:
+    """speculative_tokens and verifier from a speculators_config-shaped block."""
+    proposals = block.get("proposal_methods") or [{}]
+    verifier = block.get("verifier") or {}
+    return dict(
+        speculative_tokens=int(proposals[0].get("speculative_tokens", 3)),
+        verifier=verifier.get("name_or_path"),
+        verifier_architectures=list(verifier.get("architectures") or []),
     )
 
 
@@ -346,9 +362,6 @@ def _from_speculators(raw: dict, where: str, notes: list[str]) -> DrafterConfig:
         notes.append("no eagle_aux_hidden_state_layer_ids: vLLM uses the target's default (2, N//2, N-3)")
     if "norm_before_residual" not in raw:
         notes.append("norm_before_residual absent: True, as vLLM reads a speculators config")
-    speculators = raw.get("speculators_config") or {}
-    proposals = speculators.get("proposal_methods") or [{}]
-    verifier = speculators.get("verifier") or {}
     return DrafterConfig(
         **fields,
         draft_vocab_size=int(_require(raw, "draft_vocab_size", where)),
@@ -358,9 +371,7 @@ def _from_speculators(raw: dict, where: str, notes: list[str]) -> DrafterConfig:
         norm_before_fc=bool(raw.get("norm_before_fc", False)),
         fc_norm=bool(raw.get("fc_norm", False)),
         norm_output=bool(raw.get("norm_output", False)),
-        speculative_tokens=int(proposals[0].get("speculative_tokens", 3)),
-        verifier=verifier.get("name_or_path"),
-        verifier_architectures=list(verifier.get("architectures") or []),
+        **_read_speculation(raw.get("speculators_config") or {}),
     )
 
 
@@ -386,8 +397,27 @@ def _layer_dict(config: DrafterConfig) -> dict:
     }
 
 
+def _speculation_dict(config: DrafterConfig) -> dict:
+    return {
+        "algorithm": "eagle3",
+        "default_proposal_method": "greedy",
+        "proposal_methods": [
+            {
+                "proposal_type": "greedy",
+                "speculative_tokens": config.speculative_tokens,
+                "accept_tolerance": 0.0,
+                "verifier_accept_k": 1,
+            }
+        ],
+        "verifier": {"name_or_path": config.verifier, "architectures": list(config.verifier_architectures)},
+    }
+
+
 def to_sglang_dict(config: DrafterConfig, dtype: str = "float32") -> dict:
     """config.json of the SGLang layout, every flag explicit."""
+    eagle_config: dict[str, Any] = {"use_aux_hidden_state": True}
+    if config.aux_layer_ids is not None:  # SGLang uses the key whenever it exists: absent, not null
+        eagle_config["eagle_aux_hidden_state_layer_ids"] = config.aux_layer_ids
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         **_layer_dict(config),
@@ -396,14 +426,12 @@ def to_sglang_dict(config: DrafterConfig, dtype: str = "float32") -> dict:
         # legacy keys: every engine version reads them (transformers 5 turns them into rope_parameters)
         "rope_theta": config.rope_theta,
         "rope_scaling": copy.deepcopy(config.rope_scaling),
-        "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": config.aux_layer_ids,
-            "use_aux_hidden_state": True,
-        },
+        "eagle_config": eagle_config,
         "norm_before_residual": config.norm_before_residual,
         "norm_before_fc": config.norm_before_fc,
         "fc_norm": config.fc_norm,
         "norm_output": config.norm_output,
+        SPECULATION_KEY: _speculation_dict(config),
         "torch_dtype": dtype,
     }
 
@@ -426,22 +454,7 @@ def to_speculators_dict(config: DrafterConfig, dtype: str = "float32") -> dict:
         "embed_requires_grad": False,
         "tie_word_embeddings": False,
         "transformer_layer_config": layer,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": config.speculative_tokens,
-                    "accept_tolerance": 0.0,
-                    "verifier_accept_k": 1,
-                }
-            ],
-            "verifier": {
-                "name_or_path": config.verifier,
-                "architectures": list(config.verifier_architectures),
-            },
-        },
+        "speculators_config": _speculation_dict(config),
         "dtype": dtype,
     }
 

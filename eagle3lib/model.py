@@ -278,8 +278,9 @@ class Eagle3Drafter(nn.Module):
     # ---------------------------------------------------------------- embedding and vocab map
 
     @property
-    def has_embedding(self) -> bool:
-        return "embed_tokens" in self._modules or getattr(self, "target_embedding", None) is not None
+    def owns_embedding(self) -> bool:
+        """True when the drafter carries its own `embed_tokens` (saved with it)."""
+        return "embed_tokens" in self._modules
 
     def attach_embedding(self, embedding: nn.Embedding | torch.Tensor) -> None:
         """Use the target's input embedding [Vt, H] (frozen, a non-persistent buffer: never saved).
@@ -292,12 +293,12 @@ class Eagle3Drafter(nn.Module):
                 f"embedding of shape {list(weight.shape)} does not fit this drafter: expected "
                 f"{list(expected)}"
             )
-        if "embed_tokens" in self._modules:
+        if self.owns_embedding:
             del self.embed_tokens
         self.register_buffer("target_embedding", weight.detach(), persistent=False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if "embed_tokens" in self._modules:
+        if self.owns_embedding:
             return self.embed_tokens(input_ids)
         if getattr(self, "target_embedding", None) is None:
             raise RuntimeError(

@@ -1,0 +1,520 @@
+"""Read, check and write EAGLE-3 drafter checkpoints in the SGLang and speculators layouts (FORMATS.md §2).
+
+`load_drafter(path, strict=True)` reads a folder (config.json + weights) and returns the drafter with a
+`LoadReport` that accounts for every tensor in the files:
+- loaded: placed into the drafter, under its own name or **renamed** (speculators' `layers.0.*` →
+  `midlayer.*`); `embed_tokens.weight`, when the checkpoint carries one, is loaded into the drafter's own
+  `embed_tokens` and counted as loaded (a speculators checkpoint reads "14 loaded"); a checkpoint without
+  one is not missing anything, the embedding then comes from the target (`attach_embedding`);
+- skipped by design, with the reason: `d2t` and `t2d` are the vocab map, checked against each other and
+  the config and loaded into the drafter's map buffers; stale RoPE `inv_freq` buffers;
+- missing, unexpected, or shape-mismatched (expected vs found).
+Strict loading raises on any of the last three, naming each; `strict=False` loads the rest, initialises
+what is missing, and reports it. Unreadable files, NaN/Inf weights and vocab maps that contradict the
+config or themselves are refused in either mode: the engines load such checkpoints silently (SGLang drops
+unknown keys and keeps missing ones random), this loader never does.
+
+Weights are read from `model.safetensors`, sharded safetensors with `model.safetensors.index.json`,
+`pytorch_model.bin` (or its sharded index), loaded with `weights_only=True`, or SpecForge's
+`training_state.pt`. SpecForge writes that file next to `model.safetensors`, and it holds the optimizer
+and scheduler state (`epoch`, `global_step`, `args`, `optimizer_state_dict`, `scheduler_state_dict`), not
+the weights; it is summarised in the report, and used as the weight source only when a tensor state dict
+is inside it and no other weight file is present.
+
+`save_drafter` writes a temporary folder beside the destination and renames it into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eagle3lib.config import LAYOUTS, DrafterConfig, aux_ids_to_vllm, read_config, write_config
+from eagle3lib.model import Eagle3Drafter
+from eagle3lib.vocab import VocabMap
+
+VOCAB_MAP_KEYS = ("d2t", "t2d")
+SPECULATORS_PREFIX, SGLANG_PREFIX = "layers.0.", "midlayer."
+# Weight sources, in the order they are preferred when a folder holds several.
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "training_state.pt",
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, contradicts its config, or fails a strict load."""
+
+
+@dataclass
+class LoadReport:
+    path: str
+    layout: str
+    files: list[str]
+    tensors: list[tuple[str, list[int], str]] = field(default_factory=list)  # every (key, shape, dtype)
+    loaded: list[str] = field(default_factory=list)  # drafter names that received a checkpoint tensor
+    renamed: list[tuple[str, str]] = field(default_factory=list)  # (checkpoint key, drafter name)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (checkpoint key, reason)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[tuple[str, list[int], list[int]]] = field(default_factory=list)  # (key, expected, found)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.unexpected or self.mismatched)
+
+    def summary(self) -> str:
+        """E.g. "13 loaded, 2 skipped (d2t, t2d), 0 missing, 0 unexpected"."""
+        loaded = f"{len(self.loaded)} loaded"
+        if self.renamed:
+            loaded += f" ({len(self.renamed)} renamed)"
+        skipped = f"{len(self.skipped)} skipped"
+        if self.skipped:
+            skipped += f" ({', '.join(key for key, _ in self.skipped)})"
+        parts = [loaded, skipped, f"{len(self.missing)} missing", f"{len(self.unexpected)} unexpected"]
+        if self.mismatched:
+            parts.append(f"{len(self.mismatched)} shape-mismatched")
+        return ", ".join(parts)
+
+    def problems(self, config: DrafterConfig | None = None) -> list[str]:
+        """One line per missing, unexpected or mismatched tensor; with `config`, mismatches name the field."""
+        mismatched = [
+            f"shape-mismatched {key}: expected {exp}, found {found}"
+            + (_shape_hint(canonical_name(key), config) if config else "")
+            for key, exp, found in self.mismatched
+        ]
+        return (
+            [f"missing {key}" for key in self.missing]
+            + [f"unexpected {k}" for k in self.unexpected]
+            + mismatched
+        )
+
+    def __str__(self) -> str:
+        lines = [f"{self.path} ({self.layout} layout, from {', '.join(self.files)}): {self.summary()}"]
+        renamed_to = {to for _, to in self.renamed}
+        lines += [f"  loaded      {name}" for name in self.loaded if name not in renamed_to]
+        lines += [f"  renamed     {key} → {name}" for key, name in self.renamed]
+        lines += [f"  skipped     {key}: {reason}" for key, reason in self.skipped]
+        lines += [f"  MISSING     {key}" for key in self.missing]
+        lines += [f"  UNEXPECTED  {key}" for key in self.unexpected]
+        lines += [
+            f"  MISMATCHED  {key}: expected {exp}, found {found}" for key, exp, found in self.mismatched
+        ]
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "summary": self.summary(), "ok": self.ok}
+
+
+# ----------------------------------------------------------------------------- layout and files
+
+
+def detect_layout(path: str | os.PathLike) -> str:
+    """The layout, "sglang" or "speculators", that the checkpoint folder's config.json describes."""
+    return read_config(_folder(Path(path)))[1]
+
+
+def _folder(path: Path) -> Path:
+    if not path.exists():
+        raise FileNotFoundError(f"no drafter checkpoint at {path}")
+    return path if path.is_dir() else path.parent
+
+
+def _weight_sources(path: Path) -> tuple[Path, list[str]]:
+    """(the weight file to read, notes): `path` is a checkpoint folder or one of its weight files."""
+    if path.is_file():
+        return path, []
+    present = [name for name in WEIGHT_FILES if (path / name).is_file()]
+    if not present:
+        others = sorted(p.name for p in path.glob("*.safetensors"))
+        hint = f" (found {', '.join(others)} without model.safetensors.index.json)" if others else ""
+        raise CheckpointError(f"{path}: no weights ({' / '.join(WEIGHT_FILES)}){hint}")
+    chosen = path / present[0]
+    notes = [f"also present, not read: {name}" for name in present[1:] if name != "training_state.pt"]
+    return chosen, notes
+
+
+def read_tensors(file: Path) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """All tensors of one weight source → (tensors by key, files read, notes)."""
+    name = file.name
+    if name.endswith(".index.json"):
+        return _read_index(file)
+    if name.endswith(".safetensors"):
+        return _read_safetensors(file), [name], []
+    if name == "training_state.pt":
+        return _read_training_state(file)
+    return _read_torch_state_dict(file), [name], []
+
+
+def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            return {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (no __iter__)
+    except Exception as err:  # safetensors raises its own error types for corrupt headers and data
+        raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from err
+
+
+def _torch_load(file: Path) -> object:
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):  # SpecForge pickles its CLI args
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # corrupt zip, truncated pickle, or objects weights_only refuses
+        raise CheckpointError(f"{file}: not readable as a weights-only torch file ({err})") from err
+
+
+def _tensor_dict(value: object) -> dict[str, torch.Tensor] | None:
+    if isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
+        return value
+    return None
+
+
+def _read_torch_state_dict(file: Path) -> dict[str, torch.Tensor]:
+    content = _torch_load(file)
+    tensors = _tensor_dict(content)
+    if tensors is None:
+        kind = type(content).__name__
+        keys = f" with keys {sorted(map(str, content))[:8]}" if isinstance(content, dict) else ""
+        raise CheckpointError(f"{file}: expected a flat {{name: tensor}} state dict, got a {kind}{keys}")
+    return tensors
+
+
+def _read_index(file: Path) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    try:
+        weight_map = json.loads(file.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{file}: not a weight index with a 'weight_map' ({err})") from err
+    tensors: dict[str, torch.Tensor] = {}
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        shard_file = file.parent / shard
+        if not shard_file.is_file():
+            raise CheckpointError(f"{file}: shard {shard} is listed but {shard_file} does not exist")
+        if shard.endswith(".safetensors"):
+            shard_tensors = _read_safetensors(shard_file)
+        else:
+            shard_tensors = _read_torch_state_dict(shard_file)
+        for key, tensor in shard_tensors.items():
+            if key in tensors:
+                raise CheckpointError(f"{shard_file}: tensor {key} is also in another shard")
+            tensors[key] = tensor
+    for key, shard in weight_map.items():
+        if key not in tensors:
+            raise CheckpointError(f"{file}: {key} is listed in {shard} but that shard does not hold it")
+    return tensors, [file.name, *shards], []
+
+
+def _read_training_state(file: Path) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    state = _torch_load(file)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file}: expected a dict, got {type(state).__name__}")
+    tensors = _tensor_dict(state)
+    for key in ("model", "model_state_dict", "state_dict", "draft_model"):
+        tensors = tensors or _tensor_dict(state.get(key))
+    if tensors is None:
+        raise CheckpointError(
+            f"{file}: holds no model weights (keys: {', '.join(sorted(map(str, state)))}); SpecForge keeps "
+            "optimizer and scheduler state there and writes the weights beside it as model.safetensors: load "
+            "the folder"
+        )
+    # SpecForge's training wrapper names the drafter "draft_model"
+    tensors = {key.removeprefix("draft_model."): value for key, value in tensors.items()}
+    return tensors, [file.name], [describe_training_state(state)]
+
+
+def describe_training_state(state: dict) -> str:
+    """One line about a SpecForge training_state.pt: progress and what the optimizer state covers."""
+    optimizer = state.get("optimizer_state_dict") or state.get("optimizer") or {}
+    moments = optimizer.get("state", {}) if isinstance(optimizer, dict) else {}
+    groups = optimizer.get("param_groups", []) if isinstance(optimizer, dict) else []
+    lr = groups[0].get("lr") if groups else None
+    return (
+        f"training_state.pt: epoch {state.get('epoch')}, global_step {state.get('global_step')}, optimizer "
+        f"state for {len(moments)} tensors, lr {lr}"
+    )
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def canonical_name(key: str) -> str:
+    """Checkpoint key → drafter parameter name (speculators' `layers.0.*` is SGLang's `midlayer.*`)."""
+    if key.startswith(SPECULATORS_PREFIX):
+        return SGLANG_PREFIX + key.removeprefix(SPECULATORS_PREFIX)
+    return key
+
+
+def _skip_reason(key: str) -> str | None:
+    if key in VOCAB_MAP_KEYS:
+        return "vocab-map buffer: checked with its partner and the config, loaded into the drafter's map"
+    if key.endswith("rotary_emb.inv_freq"):
+        return "RoPE frequencies are recomputed from the config"
+    return None
+
+
+def _check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    for key, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+            raise CheckpointError(f"{where}: tensor {key} holds {nan} NaN and {inf} Inf values")
+
+
+def _vocab_map(
+    tensors: dict[str, torch.Tensor], config: DrafterConfig, where: str, report: LoadReport
+) -> VocabMap:
+    """The drafter's map from d2t/t2d, refusing any contradiction with the config or between the two."""
+    d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
+    if d2t is not None and t2d is not None:
+        vocab = VocabMap.from_pair(d2t, t2d, where)
+    elif d2t is not None:
+        vocab = VocabMap.from_d2t(d2t, config.vocab_size, where)
+        report.notes.append("t2d absent: derived from d2t")
+    elif t2d is not None:
+        vocab = VocabMap.from_t2d(t2d, where)
+        report.notes.append(
+            "d2t absent: derived from t2d (SGLang and vLLM read d2t; a saved copy will have it)"
+        )
+    else:  # reported as missing by the caller unless Vd = Vt, where the identity is the right map
+        if config.draft_vocab_size == config.vocab_size:
+            report.notes.append("no d2t/t2d: identity map, as the draft vocab is the whole target vocab")
+        return VocabMap.from_ids(torch.arange(config.draft_vocab_size), config.vocab_size, where)
+    if vocab.vt != config.vocab_size:
+        raise CheckpointError(
+            f"{where}: t2d has length {vocab.vt} but config vocab_size (Vt) is {config.vocab_size}"
+        )
+    if vocab.vd != config.draft_vocab_size:
+        raise CheckpointError(
+            f"{where}: the vocab map has {vocab.vd} draft tokens but config draft_vocab_size is "
+            f"{config.draft_vocab_size}"
+        )
+    return vocab
+
+
+def _shape_hint(name: str, config: DrafterConfig) -> str:
+    hints = {
+        "lm_head.weight": f"rows = draft_vocab_size {config.draft_vocab_size}",
+        "fc.weight": f"columns = {config.num_aux_layers} aux layers x target_hidden_size "
+        f"{config.target_hidden_size}",
+        "embed_tokens.weight": f"rows = vocab_size {config.vocab_size}",
+    }
+    return f" ({hints[name]} in config.json)" if name in hints else ""
+
+
+def _common_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:
+    sizes: Counter[torch.dtype] = Counter()
+    for tensor in tensors.values():
+        if tensor.is_floating_point():
+            sizes[tensor.dtype] += tensor.numel()
+    return sizes.most_common(1)[0][0] if sizes else torch.float32
+
+
+def load_drafter(
+    path: str | os.PathLike, *, strict: bool = True, dtype: torch.dtype | None = None
+) -> tuple[Eagle3Drafter, LoadReport]:
+    """Load a drafter checkpoint (folder, or one of its weight files) → (drafter, report).
+
+    `dtype` casts every weight; by default they keep the checkpoint's dtype (the most common one when
+    several are mixed, with a note).
+    """
+    path = Path(path)
+    folder = _folder(path)
+    config, layout, notes = read_config(folder)
+    weights_file, source_notes = _weight_sources(path)
+    tensors, files, read_notes = read_tensors(weights_file)
+    if weights_file.name != "training_state.pt" and (folder / "training_state.pt").is_file():
+        read_notes.append(describe_training_state(_torch_load(folder / "training_state.pt")))
+    where = str(weights_file)
+    report = LoadReport(path=str(path), layout=layout, files=files, notes=notes + source_notes + read_notes)
+    report.tensors = [
+        (key, list(t.shape), str(t.dtype).removeprefix("torch.")) for key, t in sorted(tensors.items())
+    ]
+    _check_finite(tensors, where)
+
+    has_embedding = "embed_tokens.weight" in tensors
+    with torch.device("meta"):
+        drafter = Eagle3Drafter(config, embed_tokens=has_embedding)
+    expected = {name: list(t.shape) for name, t in drafter.state_dict().items() if name not in VOCAB_MAP_KEYS}
+    weight_dtype = dtype or _common_dtype(tensors)
+
+    to_assign: dict[str, torch.Tensor] = {}
+    for key, tensor in sorted(tensors.items()):
+        reason = _skip_reason(key)
+        if reason is not None:
+            report.skipped.append((key, reason))
+            continue
+        name = canonical_name(key)
+        if name not in expected:
+            report.unexpected.append(key)
+        elif list(tensor.shape) != expected[name]:
+            report.mismatched.append((key, expected[name], list(tensor.shape)))
+        else:
+            if name != key:
+                report.renamed.append((key, name))
+            if tensor.is_floating_point() and tensor.dtype != weight_dtype:
+                if dtype is None:
+                    report.notes.append(f"{key}: {tensor.dtype} cast to {weight_dtype}")
+                tensor = tensor.to(weight_dtype)
+            to_assign[name] = tensor
+            report.loaded.append(name)
+    report.missing += [
+        name for name in expected if name not in to_assign and not _already_reported(name, report)
+    ]
+    if not any(key in tensors for key in VOCAB_MAP_KEYS) and config.draft_vocab_size < config.vocab_size:
+        # without d2t the engines propose draft ids as if they were target ids (vLLM #18909: tau 1.12)
+        report.missing += list(VOCAB_MAP_KEYS)
+    if strict and not report.ok:
+        problems = "; ".join(report.problems(config))
+        raise CheckpointError(
+            f"{where}: strict load failed ({report.summary()}): {problems}. Load with strict=False to see "
+            "the full report."
+        )
+    vocab = _vocab_map(tensors, config, where, report)
+    to_assign["d2t"], to_assign["t2d"] = vocab.d2t, vocab.t2d
+    drafter.load_state_dict(to_assign, strict=False, assign=True)
+    _initialise_missing(drafter, weight_dtype)
+    return drafter, report
+
+
+def _already_reported(name: str, report: LoadReport) -> bool:
+    return any(canonical_name(key) == name for key, _, _ in report.mismatched)
+
+
+def _initialise_missing(drafter: Eagle3Drafter, dtype: torch.dtype) -> None:
+    """Give every parameter a non-strict load left on the meta device a fresh initialisation."""
+    for module in drafter.modules():
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            module.to_empty(device="cpu", recurse=False)
+            module.to(dtype)
+            Eagle3Drafter.init_module(module)
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+def checkpoint_tensors(drafter: Eagle3Drafter, layout: str) -> dict[str, torch.Tensor]:
+    """The drafter's tensors under `layout`'s key names (an attached target embedding is never included)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+    tensors = {}
+    for name, tensor in drafter.state_dict().items():
+        key = name
+        if layout == "speculators" and name.startswith(SGLANG_PREFIX):
+            key = SPECULATORS_PREFIX + name.removeprefix(SGLANG_PREFIX)
+        tensors[key] = tensor.detach().to("cpu").contiguous().clone()
+    return tensors
+
+
+def save_drafter(
+    drafter: Eagle3Drafter, path: str | os.PathLike, layout: str = "sglang", *, overwrite: bool = False
+) -> Path:
+    """Write `path/` (config.json + model.safetensors) in `layout`, atomically: a temporary folder beside
+    it is filled, then renamed into place. An existing folder is refused unless `overwrite`."""
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; refusing to overwrite a checkpoint (pass overwrite=True)")
+    tensors = checkpoint_tensors(drafter, layout)
+    _check_finite(tensors, f"drafter to be saved at {path}")
+    VocabMap.from_pair(tensors["d2t"], tensors["t2d"], f"drafter to be saved at {path}").check_vt(
+        drafter.config.vocab_size, "the config"
+    )
+    dtype = str(drafter.lm_head.weight.dtype).removeprefix("torch.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        write_config(drafter.config, staging, layout, dtype)
+        if path.exists():  # overwrite: move the old folder aside first so that the rename is atomic
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
+            os.replace(path, old / path.name)
+            os.replace(staging, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return path
+
+
+def convert(
+    src: str | os.PathLike, dst: str | os.PathLike, layout: str, *, overwrite: bool = False
+) -> LoadReport:
+    """Load `src` strictly and write it to `dst` in `layout`; returns the load report."""
+    drafter, report = load_drafter(src, strict=True)
+    save_drafter(drafter, dst, layout, overwrite=overwrite)
+    return report
+
+
+# ----------------------------------------------------------------------------- inspection
+
+
+def inspect_checkpoint(path: str | os.PathLike) -> dict:
+    """Everything `eagle3 inspect` shows: layout, architecture, tensors, vocab-map sanity, load report.
+
+    Loads non-strictly so that a broken checkpoint is described rather than refused (unreadable files,
+    NaN/Inf and contradictory vocab maps still raise)."""
+    drafter, report = load_drafter(path, strict=False)
+    c = drafter.config
+    vocab = VocabMap.from_pair(drafter.d2t, drafter.t2d, str(path))
+    vocab_missing = any(key in report.missing for key in VOCAB_MAP_KEYS)
+    sanity = {
+        "vd": vocab.vd,
+        "vt": vocab.vt,
+        "d2t_t2d_agree": not vocab_missing,
+        "first_draft_ids": vocab.draft_ids[:8].tolist(),
+        "last_draft_ids": vocab.draft_ids[-8:].tolist(),
+        "identity_positions": int((vocab.d2t == 0).sum()),  # draft id == target id
+        "status": "missing: identity placeholder" if vocab_missing else "d2t and t2d present and consistent",
+    }
+    return {
+        "path": str(path),
+        "layout": report.layout,
+        "config": c.to_dict(),
+        "aux_layer_ids_vllm": aux_ids_to_vllm(c.aux_layer_ids) if c.aux_layer_ids is not None else None,
+        "embedding": "carried by the checkpoint" if drafter.owns_embedding else "from the target",
+        "tensors": report.tensors,
+        "vocab_map": sanity,
+        "report": report.to_dict(),
+        "report_text": str(report),
+    }
+
+
+def format_inspection(info: dict) -> str:
+    c = info["config"]
+    flags = ", ".join(
+        f"{k} {c[k]}" for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+    )
+    lines = [
+        f"{info['path']}: {info['layout']} layout",
+        f"  H {c['hidden_size']}, heads {c['num_attention_heads']} ({c['num_key_value_heads']} KV) x "
+        f"{c['head_dim']}, intermediate {c['intermediate_size']}, Vt {c['vocab_size']}, "
+        f"Vd {c['draft_vocab_size']}, Ht {c['target_hidden_size']}",
+        f"  aux layer ids {c['aux_layer_ids']} (eagle3lib/SGLang numbering) = {info['aux_layer_ids_vllm']} "
+        "(speculators/vLLM)",
+        f"  {flags}",
+        f"  rope theta {c['rope_theta']}, scaling {c['rope_scaling']}; embedding: {info['embedding']}",
+        f"tensors ({len(info['tensors'])}):",
+    ]
+    width = max((len(key) for key, _, _ in info["tensors"]), default=0)
+    lines += [f"  {key:<{width}}  {shape}  {dtype}" for key, shape, dtype in info["tensors"]]
+    v = info["vocab_map"]
+    lines.append(
+        f"vocab map: {v['status']}; Vd {v['vd']} of Vt {v['vt']}, draft ids {v['first_draft_ids']} ... "
+        f"{v['last_draft_ids']}, {v['identity_positions']} positions where draft id = target id"
+    )
+    lines.append("load report: " + info["report_text"])
+    return "\n".join(lines)
