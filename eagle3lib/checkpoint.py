@@ -164,7 +164,7 @@ def read_tensors(file: Path) -> tuple[dict[str, torch.Tensor], list[str], list[s
 def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(file), framework="pt") as handle:
-            return {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (no __iter__)
+            return {key: handle.get_tensor(key) for key in handle.keys()}
     except Exception as err:  # safetensors raises its own error types for corrupt headers and data
         raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from err
 
@@ -336,7 +336,10 @@ def load_drafter(
     weights_file, source_notes = _weight_sources(path)
     tensors, files, read_notes = read_tensors(weights_file)
     if weights_file.name != "training_state.pt" and (folder / "training_state.pt").is_file():
-        read_notes.append(describe_training_state(_torch_load(folder / "training_state.pt")))
+        try:  # only described: the weights come from the file above
+            read_notes.append(describe_training_state(_torch_load(folder / "training_state.pt")))
+        except CheckpointError as err:
+            read_notes.append(f"training_state.pt not described: {err}")
     where = str(weights_file)
     report = LoadReport(path=str(path), layout=layout, files=files, notes=notes + source_notes + read_notes)
     report.tensors = [
@@ -359,6 +362,9 @@ def load_drafter(
         name = canonical_name(key)
         if name not in expected:
             report.unexpected.append(key)
+        elif name in to_assign:  # e.g. both layers.0.x and midlayer.x
+            report.unexpected.append(key)
+            report.notes.append(f"{key}: a second tensor for {name}, not loaded")
         elif list(tensor.shape) != expected[name]:
             report.mismatched.append((key, expected[name], list(tensor.shape)))
         else:

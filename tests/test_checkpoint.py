@@ -271,6 +271,20 @@ def test_renamed_key_fails_strict_and_is_reported_otherwise(tmp_path):
     assert torch.isfinite(logits_of(drafter, torch.randn(80, 32))).all()
 
 
+def test_stale_rope_buffers_are_skipped_and_duplicates_unexpected(tmp_path):
+    save_drafter(project_drafter(), tmp_path / "c", "sglang")
+    rewrite_tensors(
+        tmp_path / "c", lambda t: t.__setitem__("midlayer.self_attn.rotary_emb.inv_freq", torch.ones(4))
+    )
+    _, report = load_drafter(tmp_path / "c")
+    assert report.summary() == "13 loaded, 3 skipped (d2t, midlayer.self_attn.rotary_emb.inv_freq, t2d), " + (
+        "0 missing, 0 unexpected"
+    )
+    rewrite_tensors(tmp_path / "c", lambda t: t.__setitem__("layers.0.hidden_norm.weight", torch.ones(32)))
+    with pytest.raises(CheckpointError, match="unexpected midlayer.hidden_norm.weight"):
+        load_drafter(tmp_path / "c")
+
+
 def test_config_contradicting_lm_head_names_the_field(tmp_path):
     save_drafter(project_drafter(), tmp_path / "c", "sglang")
     rewrite_tensors(tmp_path / "c", lambda t: t.__setitem__("lm_head.weight", torch.randn(24, 32)))
