@@ -1,0 +1,402 @@
+"""Speculative decoding: lossless greedy decoding, distribution-preserving sampling, τ as engines count it.
+
+The rigged pair. A "successor" target whose next token is a fixed function f of the current token: its
+decoder layers add nothing (o_proj and down_proj zero), embeddings are one-hot, and lm_head row j is
+the sum of e_x over the x with f(x) = j. The drafter is given weights by hand that compute the same f
+one step ahead: fc copies the first aux state (the one-hot of token t), attention adds nothing, the MLP
+maps one-hot(x) to one-hot(f(x)) (one SiLU unit per token), and lm_head scores draft token j by
+f(y) = its target id. It runs the real drafter code (fc on step 0, its own layer_out afterwards, KV
+cache, d2t mapping of a draft vocab that is a strict subset of the target's), so τ = K + 1 tests the
+whole drafting path, not a patched-in oracle. Random weights in the target's layers (`noise`) make it
+deviate from f now and then: acceptance becomes mixed, which exercises rejections at every depth.
+
+Tiny models run single-threaded here: with two threads on two busy cores, thread hand-offs cost more
+than these matrices.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagle3lib import speculate
+from eagle3lib.config import DrafterConfig
+from eagle3lib.model import Eagle3Drafter
+from eagle3lib.speculate import DraftSettings, DraftTree, SpeculativeDecoder
+
+V = 32  # target vocab = hidden size (one-hot embeddings)
+AUX = [0, 1, 3]
+
+
+def successor(vocab: int = V, seed: int = 0) -> tuple[list[int], list[int]]:
+    """f as a list, and the draft vocab S (odd ids): f cycles through S; ids outside S jump into it."""
+    draft_ids = list(range(1, vocab, 2))
+    order = torch.randperm(len(draft_ids), generator=torch.Generator().manual_seed(seed)).tolist()
+    cycle = [draft_ids[i] for i in order]
+    f = [cycle[x % len(cycle)] for x in range(vocab)]
+    for i, x in enumerate(cycle):
+        f[x] = cycle[(i + 1) % len(cycle)]
+    return f, draft_ids
+
+
+def successor_target(f: list[int], noise: float = 0.0, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=V, hidden_size=V, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, tie_word_embeddings=False, rms_norm_eps=1e-6,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.eye(V))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.normal_(0.0, noise)  # noise 0: the layer adds exactly nothing
+            layer.mlp.down_proj.weight.normal_(0.0, noise)
+        head = torch.zeros(V, V)
+        head[f, torch.arange(V)] = 1.0
+        model.lm_head.weight.copy_(head)
+    return model
+
+
+def drafter_config(vocab: int = V, hidden: int = V, draft_vocab: int = V // 2, aux=AUX) -> DrafterConfig:
+    return DrafterConfig(
+        hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=V,
+        vocab_size=vocab, draft_vocab_size=draft_vocab, rms_norm_eps=1e-6, target_hidden_size=hidden,
+        aux_layer_ids=list(aux),
+    )
+
+
+def set_vocab_map(drafter: Eagle3Drafter, draft_ids: list[int]) -> None:
+    ids = torch.tensor(draft_ids)
+    drafter.d2t.copy_(ids - torch.arange(len(ids)))
+    drafter.t2d.zero_()
+    drafter.t2d[ids] = True
+
+
+def successor_drafter(f: list[int], draft_ids: list[int]) -> Eagle3Drafter:
+    torch.manual_seed(1)
+    drafter = Eagle3Drafter(drafter_config()).eval()
+    set_vocab_map(drafter, draft_ids)
+    eye = torch.eye(V)
+    gate_scale = 4.0
+    # post_attention_layernorm(one-hot) = sqrt(V) * one-hot; unit x fires silu(g*sqrt(V)) * sqrt(V)
+    unit = torch.nn.functional.silu(torch.tensor(gate_scale * math.sqrt(V))) * math.sqrt(V)
+    with torch.no_grad():
+        drafter.fc.weight.copy_(torch.cat([eye, torch.zeros(V, 2 * V)], dim=1))
+        drafter.midlayer.self_attn.o_proj.weight.zero_()
+        drafter.midlayer.mlp.gate_proj.weight.copy_(gate_scale * eye)
+        drafter.midlayer.mlp.up_proj.weight.copy_(eye)
+        drafter.midlayer.mlp.down_proj.weight.copy_((eye[:, f] - eye) / unit)
+        head = torch.zeros(len(draft_ids), V)
+        for j, target_id in enumerate(draft_ids):
+            head[j, [y for y in range(V) if f[y] == target_id]] = 1.0
+        drafter.lm_head.weight.copy_(head)
+    return drafter
+
+
+def random_pair(vocab: int, draft_vocab: int, seed: int = 0, head_scale: float = 1.0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    drafter = Eagle3Drafter(drafter_config(vocab=vocab, hidden=32, draft_vocab=draft_vocab)).eval()
+    draft_ids = torch.randperm(vocab)[:draft_vocab].sort().values.tolist()
+    set_vocab_map(drafter, draft_ids)
+    with torch.no_grad():
+        drafter.lm_head.weight.mul_(head_scale)
+    return model, drafter
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+PROMPT = [3, 8, 0, 5, 22]
+SETTINGS = {
+    "chain-3": DraftSettings(steps=3),
+    "chain-5": DraftSettings(steps=5),
+    "tree-4x3-8": DraftSettings(steps=4, topk=3, num_draft_tokens=8),
+    "tree-3x2": DraftSettings(steps=3, topk=2),
+}
+
+
+# ---------------------------------------------------------------- greedy: lossless
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_greedy_speculation_reproduces_target_decoding(name):
+    settings = SETTINGS[name]
+    f, draft_ids = successor()
+    model = successor_target(f, noise=0.3)
+    decoder = SpeculativeDecoder(model, successor_drafter(f, draft_ids), settings)
+    accepted = []
+    for prompt in (PROMPT, [30, 1, 2], [7] * 9):
+        expected = speculate.generate_target_only(model, prompt, 40).tokens
+        out = decoder.generate(prompt, 40)
+        assert out.tokens == expected
+        accepted += out.accepted
+    # the pair agrees often but not always: both full acceptance and rejections were exercised
+    assert 0 in accepted and settings.steps in accepted and len(set(accepted)) >= 3
+
+
+@pytest.mark.parametrize("name", ["chain-3", "tree-4x3-8"])
+def test_greedy_speculation_random_pair(name):
+    model, drafter = random_pair(vocab=64, draft_vocab=24)
+    decoder = SpeculativeDecoder(model, drafter, SETTINGS[name])
+    for prompt in ([1, 2, 3], [60, 7, 7, 41, 9, 0]):
+        assert decoder.generate(prompt, 40).tokens == speculate.generate_target_only(model, prompt, 40).tokens
+
+
+def test_eos_stops_both_decoders_at_the_same_place():
+    f, draft_ids = successor()
+    model = successor_target(f)
+    eos = f[f[f[PROMPT[-1]]]]  # the third generated token
+    spec = SpeculativeDecoder(model, successor_drafter(f, draft_ids), DraftSettings(steps=5))
+    expected = speculate.generate_target_only(model, PROMPT, 20, eos_token_id=eos).tokens
+    assert expected[-1] == eos and len(expected) == 3
+    assert spec.generate(PROMPT, 20, eos_token_id=eos).tokens == expected
+
+
+# ---------------------------------------------------------------- τ of rigged and random drafters
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_rigged_drafter_gets_tau_k_plus_one(name):
+    settings = SETTINGS[name]
+    f, draft_ids = successor()
+    model = successor_target(f)
+    result = speculate.probe(model, successor_drafter(f, draft_ids), [PROMPT, [0, 4]], settings, 33)
+    assert result.metrics["tau"] == settings.steps + 1
+    assert result.metrics["acceptance_per_position"] == [1.0] * settings.steps
+    assert result.metrics["matches_target"] == 1.0
+    # the output is f iterated, and the draft vocab (odd ids) maps back to target ids through d2t
+    x, expected = PROMPT[-1], []
+    for _ in range(33):
+        x = f[x]
+        expected.append(x)
+    assert result.spec[0].tokens == expected
+
+
+def test_random_drafter_gets_tau_near_one():
+    model, drafter = random_pair(vocab=512, draft_vocab=128, seed=3)
+    prompts = [[5, 100, 7], [300, 2, 2, 90], [17]]
+    metrics = speculate.probe(model, drafter, prompts, DraftSettings(steps=4), 24, warmup=False).metrics
+    assert 1.0 <= metrics["tau"] < 1.1
+    assert metrics["matches_target"] == 1.0
+
+
+# ---------------------------------------------------------------- what the drafter and target are fed
+
+
+def test_drafter_is_fed_exactly_as_in_training():
+    """Every step-0 row the drafter computed while speculating (incrementally, across rounds, with rejected
+    drafts cropped from its cache) equals the full-sequence forward that training uses."""
+    f, draft_ids = successor()
+    model = successor_target(f, noise=0.3)
+    torch.manual_seed(5)
+    drafter = Eagle3Drafter(drafter_config()).eval()  # random: its logits depend on every input
+    set_vocab_map(drafter, draft_ids)
+    decoder = SpeculativeDecoder(model, drafter, DraftSettings(steps=3, topk=2))
+    rows = {}
+    step = drafter.step
+
+    def recording_step(input_ids, hidden, position_ids, cache, attention_mask=None):
+        logits, layer_out = step(input_ids, hidden, position_ids, cache, attention_mask)
+        if hidden.shape[-1] == drafter.config.fc_in_features:  # step 0: target features
+            for position, row in zip(position_ids[0].tolist(), logits[0], strict=True):
+                rows[position] = row
+        return logits, layer_out
+
+    drafter.step = recording_step
+    out = decoder.generate(PROMPT, 30)
+    sequence = torch.tensor([PROMPT + out.tokens])
+    with torch.no_grad():
+        hidden_states = model(sequence, output_hidden_states=True).hidden_states
+        aux = speculate.aux_hidden_states(hidden_states, AUX)
+        reference = drafter(sequence[:, 1:], aux[:, :-1])[0]  # row t: position t + 1
+    # one step-0 row per committed position, each computed once (the last round's rows are never needed)
+    assert sorted(rows) == list(range(1, len(rows) + 1)) and len(rows) >= 25
+    for position, row in rows.items():
+        torch.testing.assert_close(row, reference[position - 1], atol=2e-5, rtol=1e-4)
+
+
+def test_tree_verification_scores_each_node_as_its_own_sequence():
+    """One masked forward over the cache + a tree gives each node the logits of prefix + its path."""
+    torch.manual_seed(0)
+    model, _ = random_pair(vocab=64, draft_vocab=8)
+    prefix = [4, 9, 33, 1]
+    tree = DraftTree(
+        tokens=torch.tensor([12, 5, 7, 40, 41, 2, 63]),
+        parents=[-1, 0, 0, 1, 1, 3, 2],
+        depths=torch.tensor([0, 1, 1, 2, 2, 3, 2]),
+        draft_probs=None,
+    )
+    cache = speculate.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.tensor([prefix]), past_key_values=cache)
+        mask = speculate.tree_attention_mask(tree, len(prefix), model.dtype, "cpu")
+        logits = model(
+            tree.tokens[None], past_key_values=cache, attention_mask=mask,
+            position_ids=(tree.depths + len(prefix))[None],
+        ).logits[0]
+        for node in range(len(tree)):
+            path, walk = [], node
+            while walk >= 0:
+                path.insert(0, tree.tokens[walk].item())
+                walk = tree.parents[walk]
+            alone = model(torch.tensor([prefix + path])).logits[0, -1]
+            torch.testing.assert_close(logits[node], alone, atol=1e-5, rtol=1e-4)
+        # keeping a non-contiguous path (root, node 2, node 6) leaves the cache of prefix + that path
+        speculate.keep_cache_positions(cache, len(prefix), [0, 2, 6])
+        sequence = prefix + [12, 7, 63]
+        next_logits = model(torch.tensor([[8]]), past_key_values=cache).logits[0, -1]
+        alone = model(torch.tensor([sequence + [8]])).logits[0, -1]
+        torch.testing.assert_close(next_logits, alone, atol=1e-5, rtol=1e-4)
+
+
+def test_draft_tree_shapes():
+    model, drafter = random_pair(vocab=64, draft_vocab=24)
+    decoder = SpeculativeDecoder(model, drafter, DraftSettings(steps=4, topk=3, num_draft_tokens=9))
+    cache = drafter.new_cache()
+    with torch.no_grad():
+        hidden = torch.randn(1, 5, drafter.config.fc_in_features)
+        positions = torch.arange(1, 6)[None]
+        logits, layer_out = drafter.step(torch.tensor([[1, 2, 3, 4, 5]]), hidden, positions, cache)
+        for settings in (decoder.settings, DraftSettings(steps=4)):
+            tree = speculate.draft_tree(drafter, cache, 5, logits[0, -1], layer_out[0, -1], 5, settings)
+            assert len(tree) == settings.num_draft_tokens and len(cache) == 5
+            assert all(0 <= p < node for node, p in enumerate(tree.parents) if node > 0)
+            assert all(tree.depths[n] == tree.depths[p] + 1 for n, p in enumerate(tree.parents) if n > 0)
+            assert int(tree.depths.max()) <= settings.steps
+            assert set(tree.tokens[1:].tolist()) <= set(drafter.draft_to_target(torch.arange(24)).tolist())
+        assert tree.parents == [-1, 0, 1, 2, 3]  # topk 1: a chain
+        # level 1 of a tree holds the drafter's top-3 tokens after the root
+        wide = speculate.draft_tree(drafter, cache, 5, logits[0, -1], layer_out[0, -1], 5, decoder.settings)
+        top3 = drafter.draft_to_target(logits[0, -1].topk(3).indices).tolist()
+        assert sorted(wide.tokens[wide.depths == 1].tolist()) == sorted(top3)
+
+
+# ---------------------------------------------------------------- sampling: the target's distribution
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """P(χ² ≥ observed) for observed counts against expected probabilities (cells with E < 5 pooled)."""
+    expected = probs.double() * counts.sum()
+    small = expected < 5
+    observed = torch.cat([counts[~small].double(), counts[small].double().sum()[None]])
+    expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = expected > 0
+    statistic = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.double), statistic / 2))
+
+
+def test_rejection_sample_preserves_target_distribution():
+    p = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
+    q = torch.tensor([0.5, 0.1, 0.3, 0.05, 0.05])
+    generator = torch.Generator().manual_seed(0)
+    draws = 5000
+    for case in ("sampled draft", "top-2 point masses"):
+        counts = torch.zeros(5)
+        for _ in range(draws):
+            if case == "sampled draft":
+                draft = int(torch.multinomial(q, 1, generator=generator))
+                _, token = speculate.rejection_sample(p, [draft], q[None], generator)
+            else:
+                _, token = speculate.rejection_sample(p, [0, 2], None, generator)
+            counts[token] += 1
+        assert chi_square_p_value(counts, p) > 1e-3, (case, counts / draws)
+        # the drafts' own distribution is far from p: the test can tell the two apart
+        assert chi_square_p_value(counts, q) < 1e-12
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_sampled_speculation_preserves_target_distribution(topk):
+    """Token counts over a long sampled generation vs the sum of the target's exact next-token
+    probabilities at each generated position (computed afterwards in one plain forward pass).
+
+    Under the null hypothesis each token is drawn from the target's distribution given its past, so the
+    count deviations are a sum of martingale differences whose covariance is Σ_t diag(p_t) - p_t p_tᵀ: the
+    quadratic form below is χ² with V - 1 degrees of freedom (Pearson's test for non-identical draws).
+    """
+    model, drafter = random_pair(vocab=8, draft_vocab=6, seed=2, head_scale=60.0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # a target distribution far from uniform, and unlike the drafter's
+    settings = DraftSettings(steps=2, topk=topk, temperature=1.0)
+    prompt = [1, 6, 3]
+    out = SpeculativeDecoder(model, drafter, settings).generate(
+        prompt, 400, generator=torch.Generator().manual_seed(topk)
+    )
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.tokens])).logits[0, len(prompt) - 1 : -1]
+    p = logits.double().softmax(-1)  # [400, V]: the target's distribution at each generated position
+    deviation = torch.nn.functional.one_hot(torch.tensor(out.tokens), 8).sum(0).double() - p.sum(0)
+    covariance = (torch.diag_embed(p) - p[:, :, None] * p[:, None, :]).sum(0)
+    statistic = deviation @ torch.linalg.pinv(covariance) @ deviation
+    p_value = float(torch.special.gammaincc(torch.tensor(3.5, dtype=torch.double), statistic / 2))
+    assert p_value > 1e-3, (statistic, deviation)
+    # drafts were both accepted and rejected, and the drafter alone would have produced other counts
+    assert 0 < sum(out.accepted) < len(out.accepted) * settings.steps
+    q_first = drafter.draft_to_target(torch.arange(6))
+    assert p.max(-1).values.mean() < 0.9 and len(set(q_first.tolist())) == 6
+
+
+# ---------------------------------------------------------------- bad input, settings, metrics
+
+
+def test_mismatched_pairs_are_refused_before_decoding():
+    f, draft_ids = successor()
+    model = successor_target(f)
+    cases = {
+        r"vocab_size \(Vt\): drafter has 40, target has 32": drafter_config(vocab=40),
+        "target_hidden_size: drafter expects 48": drafter_config(hidden=48),
+        r"\[4, 7\] outside the 4 decoder layers": drafter_config(aux=[1, 4, 7]),
+    }
+    for message, config in cases.items():
+        with pytest.raises(ValueError, match=message):
+            SpeculativeDecoder(model, Eagle3Drafter(config), DraftSettings())
+    broken = successor_drafter(f, draft_ids)
+    broken.d2t[-1] = 100
+    with pytest.raises(ValueError, match="outside the target vocab"):
+        SpeculativeDecoder(model, broken, DraftSettings())
+
+
+def test_draft_settings_defaults_and_limits():
+    assert DraftSettings(steps=5).num_draft_tokens == 6
+    assert DraftSettings(steps=3, topk=4).num_draft_tokens == 13
+    with pytest.raises(ValueError, match="num_draft_tokens 30 must be in 2..7"):
+        DraftSettings(steps=2, topk=2, num_draft_tokens=30)
+    with pytest.raises(ValueError, match="steps"):
+        DraftSettings(steps=0)
+
+
+def test_acceptance_metrics_count_as_vllm():
+    metrics = speculate.acceptance_metrics([0, 3, 1, 2, 3], depth=3)
+    assert metrics["tau"] == 1 + 9 / 5
+    assert metrics["num_drafts"] == 5 and metrics["num_accepted_tokens"] == 9
+    assert metrics["acceptance_per_position"] == [4 / 5, 3 / 5, 2 / 5]
+    with pytest.raises(ValueError, match="no verification step"):
+        speculate.acceptance_metrics([], depth=3)
+
+
+def test_probe_reports_speed_and_ideal_speedup():
+    f, draft_ids = successor()
+    model = successor_target(f, noise=0.3)
+    drafter = successor_drafter(f, draft_ids)
+    metrics = speculate.probe(model, drafter, [PROMPT], DraftSettings(steps=3), 20).metrics
+    for key in ("tokens_per_s", "target_tokens_per_s", "speedup", "ideal_speedup", "efficiency",
+                "draft_ms_per_round", "verify_ms_per_round", "target_ms_per_step"):
+        assert metrics[key] > 0, key
+    expected_ideal = metrics["tau"] * metrics["target_ms_per_step"] / (
+        metrics["draft_ms_per_round"] + metrics["verify_ms_per_round"]
+    )
+    assert metrics["ideal_speedup"] == pytest.approx(expected_ideal)
+    assert metrics["tokens"] == 20
