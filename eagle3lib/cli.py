@@ -71,6 +71,30 @@ def _diff_vocab(args: argparse.Namespace) -> int:
     return 0
 
 
+def _remap_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="the drafter checkpoint folder to move")
+    p.add_argument("--to-map", required=True, metavar="MAP_OR_CKPT",
+                   help="the new vocab map: a map file (d2t/t2d) or another drafter checkpoint")
+    p.add_argument("--target", help="target head for --missing verifier (and the proof's embedding): a data "
+                   "folder or target_head.safetensors, a Hugging Face folder, or zoo:<name>")
+    p.add_argument("--missing", default="mean", choices=["verifier", "mean", "zeros", "random"],
+                   help="rows for tokens the old map lacks (default: mean)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random policy and the proof's inputs")
+    p.add_argument("-o", "--out", required=True, help="output checkpoint folder (written in SRC's layout)")
+
+
+@command("remap", "move a drafter's lm_head rows onto a new vocab map, with an exact proof", _remap_arguments)
+def _remap(args: argparse.Namespace) -> int:
+    from eagle3lib import remap
+
+    _, report = remap.remap_checkpoint(
+        args.src, args.to_map, args.out, target=args.target, missing=args.missing, seed=args.seed
+    )
+    print(report.summary())
+    print(f"eagle3 remap: wrote {args.out} and {args.out}/remap_report.json")
+    return 0
+
+
 def _inspect_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="a drafter checkpoint folder (SGLang or speculators layout)")
     p.add_argument("--json", action="store_true", help="print everything as JSON")

@@ -31,6 +31,18 @@ DEFAULTS: dict[str, Any] = {
         "seed": 0,
         "device": "auto",  # auto | cpu | cuda
     },
+    "vocab": {  # 02_diff_vocab_maps, eagle3lib.vocab
+        "map_a": "",  # map file or drafter checkpoint; "" = remap.source_drafter's map
+        "map_b": "",  # the new map; "" = the one 00_prepare_data wrote in this run
+        "counts": "",  # token counts (safetensors `counts` [Vt]); "" = 00_prepare_data's in this run
+        "label_a": "source drafter",
+        "label_b": "new map",
+    },
+    "remap": {  # 03_remap_lm_head, eagle3lib.remap: source_drafter moved onto vocab.map_b
+        "source_drafter": "",  # drafter checkpoint folder (SGLang or speculators layout)
+        "missing": "mean",  # rows for tokens the old map lacks: verifier | mean | zeros | random
+        "target": "",  # the target head for `verifier` and the proof: data folder, HF folder or zoo:...
+    },
 }
 
 

@@ -1,0 +1,121 @@
+"""The figures the notebooks show: one function per figure.
+
+Each function draws one figure from eagle3lib results, saves it as a PNG when given a path (notebooks save
+into their step folder), and returns the matplotlib Figure (Jupyter displays it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import matplotlib.pyplot as plt
+import torch
+from matplotlib.figure import Figure
+
+from eagle3lib.vocab import VocabDiff, VocabMap
+
+
+def _finish(fig: Figure, path: str | os.PathLike | None) -> Figure:
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+# ---------------------------------------------------------------------- vocab maps (notebooks 02, 03)
+
+
+def vocab_agreement_by_position(
+    result: VocabDiff, path: str | os.PathLike | None = None, bins: int = 100
+) -> Figure:
+    """Where two maps agree along the draft positions: share agreeing per window, and the running count."""
+    agree = result.agree.float()
+    n = agree.numel()
+    edges = torch.linspace(0, n, min(bins, n) + 1).round().long()
+    starts, ends = edges[:-1], edges[1:]
+    running = torch.cat([torch.zeros(1), agree.cumsum(0)])
+    share = (running[ends] - running[starts]) / (ends - starts)
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
+    top.stairs(share.numpy(), edges.numpy(), fill=True, alpha=0.6)
+    top.set_ylim(0, 1.05)
+    top.set_ylabel("share of positions\nthat agree")
+    top.set_title(
+        f"{result.label_a} vs {result.label_b}: {result.positions_equal:,} of {n:,} draft positions map to "
+        "the same target token",
+        fontsize=10,
+    )
+    bottom.plot(torch.arange(1, n + 1).numpy(), running[1:].numpy(), label="positions agreeing so far")
+    bottom.plot([0, n], [0, n], color="grey", linestyle=":", label="every position agrees")
+    bottom.set_xlabel("draft position")
+    bottom.set_ylabel("agreeing positions")
+    if result.first_divergence is not None:
+        for axis in (top, bottom):
+            axis.axvline(result.first_divergence, color="crimson", linewidth=1)
+        bottom.annotate(
+            f"first divergence at {result.first_divergence}",
+            (result.first_divergence, n * 0.5),
+            xytext=(8, 0),
+            textcoords="offset points",
+            color="crimson",
+            fontsize=9,
+        )
+    bottom.legend(loc="center right", fontsize=9)
+    return _finish(fig, path)
+
+
+def vocab_coverage(
+    maps: dict[str, VocabMap], counts: torch.Tensor, path: str | os.PathLike | None = None
+) -> Figure:
+    """Cumulative share of the counted tokens each map covers, its tokens taken from most to least frequent,
+    against the best any map of that size could do (the top tokens of these counts)."""
+    counts = counts.to(torch.float64)
+    total = float(counts.sum())
+    fig, axis = plt.subplots(figsize=(8, 4.5))
+    largest = max(m.vd for m in maps.values())
+    best = counts.sort(descending=True).values[:largest].cumsum(0) / total
+    axis.plot(torch.arange(1, largest + 1).numpy(), best.numpy(), color="grey", linestyle="--",
+              label=f"top {largest:,} of these counts: {float(best[-1]):.1%}")
+    for label, vocab in maps.items():
+        covered = counts[vocab.draft_ids].sort(descending=True).values.cumsum(0) / total
+        label = f"{label}: {float(covered[-1]):.1%}"
+        axis.plot(torch.arange(1, vocab.vd + 1).numpy(), covered.numpy(), label=label)
+    axis.set_xscale("log")
+    axis.set_ylim(0, 1.02)
+    axis.set_xlabel("draft tokens, most frequent first (log scale)")
+    axis.set_ylabel("share of counted tokens covered")
+    axis.set_title(f"coverage of {int(total):,} counted target tokens", fontsize=10)
+    axis.legend(loc="lower right", fontsize=9)
+    axis.grid(alpha=0.3)
+    return _finish(fig, path)
+
+
+def remap_row_moves(old: VocabMap, new: VocabMap, path: str | os.PathLike | None = None) -> Figure:
+    """Where lm_head rows went: old vs new draft position of each shared token, and how far rows moved."""
+    sources = old.target_to_draft[new.draft_ids]
+    shared = sources >= 0
+    new_positions = torch.arange(new.vd)[shared]
+    old_positions = sources[shared]
+    stayed = old_positions == new_positions
+    filled = int((~shared).sum())
+    dropped = old.vd - int(shared.sum())
+    shift = new_positions - old_positions
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [1.4, 1]})
+    left.scatter(new_positions[~stayed].numpy(), shift[~stayed].numpy(), s=3, rasterized=True,
+                 label=f"moved: {int((~stayed).sum()):,}")
+    left.scatter(new_positions[stayed].numpy(), shift[stayed].numpy(), s=3, color="black", rasterized=True,
+                 label=f"in place: {int(stayed.sum()):,}")
+    # newly filled positions as ticks along the bottom edge (they have no old row, hence no shift)
+    left.plot(torch.arange(new.vd)[~shared].numpy(), [0.03] * filled, "|", color="crimson", markersize=10,
+              transform=left.get_xaxis_transform(), label=f"newly filled: {filled:,} (ticks)")
+    left.plot([], [], " ", label=f"dropped: {dropped:,} old rows")
+    left.set_xlabel("draft position under the new map")
+    left.set_ylabel("new position − old position")
+    left.set_title("where each shared token's lm_head row came from", fontsize=10)
+    left.legend(loc="best", fontsize=8, markerscale=3)
+
+    right.hist(shift.numpy(), bins=60, color="tab:blue")
+    right.set_xlabel("new position − old position")
+    right.set_ylabel("rows")
+    right.set_title(f"how far the {int(shared.sum()):,} shared rows moved", fontsize=10)
+    return _finish(fig, path)
