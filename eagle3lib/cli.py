@@ -34,7 +34,7 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
 
 @command("run", "execute the numbered notebooks with papermill into outputs/<run>/", _run_arguments)
 def _run(args: argparse.Namespace) -> int:
-    from eagle3lib import runs
+    from eagle3lib import report, runs
 
     overrides = list(args.param)
     if args.name:
@@ -42,12 +42,18 @@ def _run(args: argparse.Namespace) -> int:
     params = runs.load_params(args.params, overrides)
     run_dir = runs.OUTPUTS_DIR / params["run"]["name"]
     only = args.only.split(",") if args.only else None
+    failure = None
     try:
-        path = runs.run_notebooks(args.params, run_dir, overrides, only=only, overwrite=args.overwrite)
+        runs.run_notebooks(args.params, run_dir, overrides, only=only, overwrite=args.overwrite)
     except runs.NotebookFailed as err:
-        print(f"eagle3 run: {err}", file=sys.stderr)
+        failure = err
+    summary = report.write_summary(run_dir)
+    report.render_html(run_dir)
+    print(f"eagle3 run: summary {summary}")
+    print(f"eagle3 run: executed notebooks in {run_dir}, HTML in {run_dir / 'html'}")
+    if failure:
+        print(f"eagle3 run: {failure}", file=sys.stderr)
         return 1
-    print(f"eagle3 run: outputs in {path}")
     return 0
 
 
