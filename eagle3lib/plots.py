@@ -22,6 +22,71 @@ def _finish(fig: Figure, path: str | os.PathLike | None) -> Figure:
     return fig
 
 
+# ---------------------------------------------------------------------- speculative decoding (01, 05)
+
+
+def acceptance_by_position(results: dict[str, dict], path: str | os.PathLike | None = None) -> Figure:
+    """Per drafter: the share of verifications that accepted at least k draft tokens, k = 1..K (vLLM's
+    per-position acceptance), with τ in the legend."""
+    fig, axis = plt.subplots(figsize=(7.5, 4.2))
+    depth = 1
+    for name, metrics in results.items():
+        rates = metrics.get("acceptance_per_position")
+        if rates is None:  # SGLang reports no per-position counts
+            axis.plot([], [], " ", label=f"{name}: τ {metrics['tau']:.2f} (no per-position counts)")
+            continue
+        depth = max(depth, len(rates))
+        axis.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{name}: τ {metrics['tau']:.2f}")
+    axis.set_xticks(range(1, depth + 1))
+    axis.set_ylim(0, 1.02)
+    axis.set_xlabel("draft position k")
+    axis.set_ylabel("share of verifications accepting ≥ k drafts")
+    axis.set_title("acceptance by draft position", fontsize=10)
+    axis.legend(fontsize=9)
+    axis.grid(alpha=0.3)
+    return _finish(fig, path)
+
+
+def speculation_costs(results: dict[str, dict], path: str | os.PathLike | None = None) -> Figure:
+    """Per drafter, the milliseconds of one round (drafting and verification) next to what plain decoding
+    spends on the same τ tokens: speculation pays off where the bar is shorter than the dashed mark."""
+    fig, axis = plt.subplots(figsize=(7.5, 0.9 + 0.7 * len(results)))
+    names = list(results)
+    rows = range(len(names))
+    draft = [results[n]["draft_ms_per_round"] for n in names]
+    verify = [results[n]["verify_ms_per_round"] for n in names]
+    axis.barh(rows, draft, color="tab:orange", label="draft")
+    axis.barh(rows, verify, left=draft, color="tab:blue", label="verify")
+    for row, name in zip(rows, names, strict=True):
+        metrics = results[name]
+        if "target_ms_per_step" in metrics:
+            plain = metrics["tau"] * metrics["target_ms_per_step"]
+            axis.plot([plain, plain], [row - 0.4, row + 0.4], color="black", linestyle="--")
+    axis.plot([], [], color="black", linestyle="--", label="target alone, τ tokens")
+    axis.set_yticks(list(rows), names)
+    axis.set_xlabel("ms per round")
+    axis.set_title("cost of one speculation round", fontsize=10)
+    axis.legend(fontsize=8, loc="lower right")
+    return _finish(fig, path)
+
+
+def tau_and_speedup(results: dict[str, dict], path: str | os.PathLike | None = None) -> Figure:
+    """τ, measured speedup over the target alone, and the ideal speedup those τ and step costs allow."""
+    names = list(results)
+    keys = [("tau", "τ"), ("speedup", "speedup"), ("ideal_speedup", "ideal speedup")]
+    fig, axis = plt.subplots(figsize=(max(6.0, 1.6 * len(names) + 2), 4.2))
+    width = 0.8 / len(keys)
+    for i, (key, label) in enumerate(keys):
+        values = [results[n].get(key, float("nan")) for n in names]
+        bars = axis.bar([x + (i - 1) * width for x in range(len(names))], values, width, label=label)
+        axis.bar_label(bars, fmt="%.2f", fontsize=8)
+    axis.axhline(1.0, color="grey", linewidth=1)
+    axis.set_xticks(range(len(names)), names, rotation=15, ha="right")
+    axis.set_title("acceptance length and speedup on the same prompts", fontsize=10)
+    axis.legend(fontsize=9)
+    return _finish(fig, path)
+
+
 # ---------------------------------------------------------------------- vocab maps (notebooks 02, 03)
 
 

@@ -31,6 +31,26 @@ DEFAULTS: dict[str, Any] = {
         "seed": 0,
         "device": "auto",  # auto | cpu | cuda
     },
+    "probe": {  # 01_probe_drafter (and the prompts and decoding 05_evaluate shares), eagle3lib.speculate
+        # the target and its dtype come from the `target` section; the drafter runs in the same dtype
+        "backend": "builtin",  # builtin (eagle3lib.speculate) | vllm (make vllm-setup) | sglang (a server)
+        "drafter": "",  # drafter checkpoint folder (SGLang or speculators layout)
+        "corpus": "pydoc-prose",  # held-out prompts from: pydoc-prose | stdlib-code
+        "num_prompts": 8,
+        "prompt_chars": 600,  # each prompt: the opening of a held-out document, at most this long
+        "chat": True,  # wrap each prompt in the target's chat template
+        "max_new_tokens": 64,
+        "steps": 3,  # draft depth K (SGLang num_steps, vLLM num_speculative_tokens)
+        "topk": 1,  # 1 = chain; > 1 = tree (builtin only)
+        "num_draft_tokens": None,  # tree budget incl. the root; null = steps + 1 (chain), 1 + topk*steps
+        "temperature": 0.0,  # 0 = greedy; > 0: rejection sampling keeps the target's distribution
+        "sglang_url": "http://127.0.0.1:30000",  # backend sglang: a server started with EAGLE3
+    },
+    "evaluate": {  # 05_evaluate: drafters side by side on probe's target, prompts and decoding settings
+        # one entry per drafter: {name: ..., path: checkpoint folder}; the integrator resolves null paths
+        "drafters": [{"name": "drafter", "path": None}],
+        "sample_tokens": 48,  # generated tokens shown per drafter for the first prompt
+    },
     "vocab": {  # 02_diff_vocab_maps, eagle3lib.vocab
         "map_a": "",  # map file or drafter checkpoint; "" = remap.source_drafter's map
         "map_b": "",  # the new map; "" = the one 00_prepare_data wrote in this run

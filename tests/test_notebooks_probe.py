@@ -1,0 +1,48 @@
+"""Notebooks 01 (probe a drafter) and 05 (drafters side by side) run headless under params/smoke.yaml:
+zoo:tiny-llama and the random fixture drafters sized for it (tests/fixtures/speculate)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle3lib import runs
+from tests.notebook_harness import run_notebook
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    # the kernels inherit this: tiny models on two busy cores run faster on one thread
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def test_01_then_05_under_smoke_params(tmp_path):
+    params = runs.load_params("params/smoke.yaml")
+    steps = params["probe"]["steps"]
+
+    probed = run_notebook("01_probe_drafter", tmp_path)
+    assert probed["backend"] == "builtin" and probed["steps"] == steps
+    assert probed["matches_target"] == 1.0  # greedy speculation reproduced the target's own decoding
+    assert len(probed["acceptance_per_position"]) == steps
+    assert probed["tau"] == pytest.approx(1 + sum(probed["acceptance_per_position"]))
+    assert probed["tokens"] == params["probe"]["num_prompts"] * params["probe"]["max_new_tokens"]
+    for key in ("tokens_per_s", "target_tokens_per_s", "speedup", "ideal_speedup", "efficiency"):
+        assert probed[key] > 0, key
+    step = tmp_path / "01_probe_drafter"
+    for figure in ("acceptance_by_position.png", "speculation_costs.png"):
+        assert (step / figure).stat().st_size > 0, figure
+    generations = json.loads((step / "generations.json").read_text())
+    assert generations["outputs"] == generations["target_outputs"]
+
+    evaluated = run_notebook("05_evaluate", tmp_path)
+    names = [entry["name"] for entry in params["evaluate"]["drafters"]]
+    assert list(evaluated["drafters"]) == names
+    for name in names:
+        assert evaluated["drafters"][name]["matches_target"] == 1.0
+        assert len(evaluated["drafters"][name]["acceptance_per_position"]) == steps
+    step = tmp_path / "05_evaluate"
+    for name in ("acceptance_by_position.png", "tau_and_speedup.png", "speculation_costs.png", "table.md"):
+        assert (step / name).stat().st_size > 0, name
+    table = (step / "table.md").read_text().splitlines()
+    assert [line.split(" | ")[0].removeprefix("| ") for line in table[2:]] == names
