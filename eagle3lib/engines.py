@@ -250,10 +250,12 @@ def vllm_probe(
     work_dir: str | os.PathLike | None = None,
     python: str | os.PathLike | None = None,
     timeout_s: float = 1800,
+    convert_sglang: bool = True,
 ) -> EngineResult:
     """Chain-draft `steps` tokens with vLLM (method eagle3) on each prompt; τ from vLLM's own counters.
 
-    The run's log is kept as `work_dir/vllm.log` (a temporary folder by default).
+    The run's log is kept as `work_dir/vllm.log` (a temporary folder by default). `convert_sglang=False`
+    serves an SGLang-layout folder as it is (see `vllm_ready_drafter`).
     """
     if not prompts:
         raise ValueError("vllm_probe needs at least one prompt")
@@ -263,7 +265,9 @@ def vllm_probe(
         raise FileNotFoundError(f"no vLLM venv at {python}: {VLLM_SETUP_HINT}")
     work = Path(work_dir or tempfile.mkdtemp(prefix="eagle3-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
-    served, notes = vllm_ready_drafter(drafter, layout, config, work)
+    served, notes = Path(drafter), []
+    if convert_sglang:
+        served, notes = vllm_ready_drafter(drafter, layout, config, work)
     request = {
         "target": str(target_folder(target)),
         "drafter": str(served),

@@ -197,6 +197,22 @@ def test_random_drafter_gets_tau_near_one():
     assert metrics["matches_target"] == 1.0
 
 
+SMOLLM2 = zoo.cache_dir() / f"{zoo.SMOLLM2}-v{zoo.RECIPE_VERSION}"
+
+
+@pytest.mark.skipif(not (SMOLLM2 / "config.json").is_file(), reason="zoo:smollm2-135m-instruct not built")
+def test_greedy_speculation_is_lossless_on_smollm2():
+    """The real architecture (30 layers, GQA 9/3, tied embeddings) in float32, chain and tree, with a random
+    drafter (bench/bench_speculate.py reports the same check with a trained one)."""
+    target = Target.load("zoo:smollm2-135m-instruct", dtype="float32", device="cpu")
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(DrafterConfig.for_target(target.config, draft_vocab_size=2048)).eval()
+    prompt = target.tokenizer("def fibonacci(n):\n    ")["input_ids"]
+    expected = speculate.generate_target_only(target.model, prompt, 8).tokens
+    for settings in (DraftSettings(steps=3), DraftSettings(steps=3, topk=2, num_draft_tokens=5)):
+        assert SpeculativeDecoder(target.model, drafter, settings).generate(prompt, 8).tokens == expected
+
+
 # ---------------------------------------------------------------- what the drafter and target are fed
 
 
