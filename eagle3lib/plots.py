@@ -184,3 +184,56 @@ def remap_row_moves(old: VocabMap, new: VocabMap, path: str | os.PathLike | None
     right.set_ylabel("rows")
     right.set_title(f"how far the {int(shared.sum()):,} shared rows moved", fontsize=10)
     return _finish(fig, path)
+
+
+# ---------------------------------------------------------------------- data (notebook 00)
+
+
+def token_frequency(counts: dict[str, torch.Tensor], path: str | os.PathLike | None = None) -> Figure:
+    """Rank-frequency of the tokens counted under the loss mask, one line per corpus (log-log)."""
+    fig, axis = plt.subplots(figsize=(8, 4.5))
+    for label, table in counts.items():
+        seen = table[table > 0].sort(descending=True).values.double()
+        share = seen / seen.sum()
+        axis.plot(torch.arange(1, len(seen) + 1).numpy(), share.numpy(),
+                  label=f"{label}: {len(seen):,} distinct of {int(seen.sum()):,} tokens")
+    axis.set_xscale("log")
+    axis.set_yscale("log")
+    axis.set_xlabel("token rank")
+    axis.set_ylabel("share of counted tokens")
+    axis.set_title("token frequency under the loss mask", fontsize=10)
+    axis.legend(fontsize=9)
+    axis.grid(alpha=0.3)
+    return _finish(fig, path)
+
+
+def top_tokens_coverage(
+    counts: dict[str, torch.Tensor],
+    vd: int,
+    argmax_counts: dict[str, torch.Tensor] | None = None,
+    path: str | os.PathLike | None = None,
+) -> Figure:
+    """How much a draft vocab of the top-k counted tokens covers, against k, with Vd marked: the share of
+    input tokens (solid) and, dashed, of the target's own predictions (the positions a drafter with that
+    map can be trained on, since predictions outside the draft vocab are masked out)."""
+    fig, axis = plt.subplots(figsize=(8, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for (label, table), color in zip(counts.items(), colors, strict=False):
+        order = table.sort(descending=True, stable=True).indices
+        ks = torch.arange(1, len(order) + 1)
+        covered = table[order].double().cumsum(0) / table.sum()
+        axis.plot(ks.numpy(), covered.numpy(), color=color,
+                  label=f"{label} inputs: {float(covered[vd - 1]):.1%} at Vd")
+        if argmax_counts is not None:
+            predicted = argmax_counts[label][order].double().cumsum(0) / argmax_counts[label].sum()
+            axis.plot(ks.numpy(), predicted.numpy(), color=color, linestyle="--",
+                      label=f"{label} target predictions: {float(predicted[vd - 1]):.1%} at Vd")
+    axis.axvline(vd, color="grey", linestyle=":", label=f"Vd = {vd:,}")
+    axis.set_xscale("log")
+    axis.set_ylim(0, 1.02)
+    axis.set_xlabel("draft vocab size k (the k most frequent input tokens)")
+    axis.set_ylabel("share covered")
+    axis.set_title("coverage of the top-k tokens", fontsize=10)
+    axis.legend(fontsize=8, loc="lower right")
+    axis.grid(alpha=0.3)
+    return _finish(fig, path)

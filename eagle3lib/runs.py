@@ -31,6 +31,26 @@ DEFAULTS: dict[str, Any] = {
         "seed": 0,
         "device": "auto",  # auto | cpu | cuda
     },
+    "target": {  # the target model (00_prepare_data and every step that runs it), eagle3lib.target
+        "spec": "zoo:smollm2-135m-instruct",  # a local HF folder, a cached HF model id, or zoo:<name>
+        "dtype": "auto",  # auto (bf16 on GPUs and bf16-capable CPUs, else float32) | float32 | bfloat16
+        "aux_layer_ids": [],  # eagle3lib numbering (id i = output of decoder layer i); [] = [1, N//2-1, N-4]
+        "cache_dir": "",  # converted zoo models; "" = $EAGLE3LIB_CACHE or ~/.cache/eagle3lib/zoo
+    },
+    "data": {  # 00_prepare_data, eagle3lib.data and eagle3lib.zoo
+        "corpus": "stdlib-code",  # the run's data, in 00_prepare_data/ itself: stdlib-code | pydoc-prose
+        "source_corpus": "",  # also prepare 00_prepare_data/source/ (to train a source drafter on); "" = none
+        "num_tokens": 200000,  # tokens captured per corpus
+        "text": "raw",  # raw (documents as they are) | self-distill (chat prompts answered by the target)
+        "max_new_tokens": 128,  # self-distill: reply length
+        "prompt_chars": 600,  # self-distill: characters of a document in each prompt
+        "seq_len": 512,  # tokens per sample (longer documents are cut into windows)
+        "batch_size": 8,  # sequences per capture forward
+        "dtype": "bfloat16",  # stored hidden states: bfloat16 | float16 | float32
+        "shard_tokens": 32768,  # tokens per shard; writer and reader hold about one shard in memory
+        "heldout_fraction": 0.1,  # documents kept out of training (evaluation prompts come from them)
+        "draft_vocab_size": 8192,  # Vd of each vocab map built from the token counts
+    },
     "probe": {  # 01_probe_drafter (and the prompts and decoding 05_evaluate shares), eagle3lib.speculate
         # the target and its dtype come from the `target` section; the drafter runs in the same dtype
         "backend": "builtin",  # builtin (eagle3lib.speculate) | vllm (make vllm-setup) | sglang (a server)

@@ -1,0 +1,1016 @@
+"""Hidden-state data: training text, capture into shards, and readers (ours, SpecForge's, speculators').
+
+A data folder holds
+- `shard_NNNNN.safetensors`: samples concatenated along the token axis, unshifted (row t is position t):
+  `input_ids` [N] int64, `loss_mask` [N] bool, `aux_hidden_states` [N, A*H], `last_hidden_state`
+  [N, H] (after the target's final norm), `target_argmax` [N] int64 (over the full vocabulary), and
+  `sample_lengths` [S] int64 (N = their sum);
+- `token_counts.safetensors`: `counts` [Vt] int64, input tokens under the loss mask (what SpecForge and
+  speculators build vocab maps from), and `argmax_counts` [Vt], the target's predictions there;
+- `target_head.safetensors`: the target's `embed_tokens.weight`, `norm.weight`, `lm_head.weight`;
+- `manifest.json`: the target (name, fingerprint, sizes), aux ids and their numbering, where the last
+  hidden state was taken, dtype, counts, and the shard list. Readers check it against the shards.
+
+The writer streams: it holds at most one shard in memory and builds the folder under a temporary name
+that is renamed into place at the end. Readers also take SpecForge dumps (`data_*.ckpt`) and
+speculators dumps (`hs_*.safetensors`), which is how large targets are captured with a serving engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from eagle3lib import zoo
+from eagle3lib.vocab import VocabMap
+
+FORMAT = "eagle3lib-hidden-states"
+FORMAT_VERSION = 1
+AUX_CONVENTION = "eagle3lib: id i = output of decoder layer i = HF hidden_states[i+1] (SGLang numbering)"
+LAST_HIDDEN = "post_norm"
+SHARD_KEYS = (
+    "input_ids",
+    "loss_mask",
+    "aux_hidden_states",
+    "last_hidden_state",
+    "target_argmax",
+    "sample_lengths",
+)
+HEAD_KEYS = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
+PREPARE_STEP = "00_prepare_data"
+SOURCE_SUBDIR = "source"  # 00_prepare_data/source/: data.source_corpus, for training the source drafter
+VOCAB_MAP_FILE = "vocab_map.safetensors"
+
+# What a user's chat prompt asks of the target for each corpus (self-distillation).
+INSTRUCTIONS = {
+    "stdlib-code": "Explain what this Python code does, then suggest one improvement.",
+    "pydoc-prose": "Explain the following passage from the Python documentation in your own words.",
+}
+
+
+class DataError(ValueError):
+    """A data folder or dump that is malformed or does not fit what it is used with."""
+
+
+# ---------------------------------------------------------------- training text
+
+
+@dataclass
+class Sample:
+    """One training sequence before capture: token ids and which of them the drafter learns."""
+
+    input_ids: Tensor  # [T] int64
+    loss_mask: Tensor  # [T] bool
+    doc_id: str
+
+
+def raw_samples(
+    tokenizer, corpus: str, seq_len: int, heldout_fraction: float = 0.1, seed: int = 0
+) -> Iterator[Sample]:
+    """Training documents as plain text, cut into windows of at most `seq_len` tokens; every token is
+    in the loss (the drafter learns the target's predictions on human text)."""
+    for doc in zoo.split_documents(corpus, "train", heldout_fraction, seed):
+        ids = torch.tensor(tokenizer(doc.text)["input_ids"], dtype=torch.long)
+        for start in range(0, len(ids), seq_len):
+            window = ids[start : start + seq_len]
+            if len(window) >= 2:  # a single token predicts nothing
+                yield Sample(window, torch.ones(len(window), dtype=torch.bool), f"{doc.id}@{start}")
+
+
+def chat_prompt_ids(tokenizer, text: str, corpus: str) -> list[int]:
+    """A document opening as a user turn in the target's chat template, ready for the reply."""
+    if corpus not in INSTRUCTIONS:
+        raise DataError(f"no chat instruction for corpus {corpus!r}; known: {', '.join(INSTRUCTIONS)}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("the target's tokenizer has no chat template; use data.text=raw for this target")
+    message = f"{INSTRUCTIONS[corpus]}\n\n{text}"
+    encoded = tokenizer.apply_chat_template(
+        [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=True
+    )
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+@torch.no_grad()
+def self_distilled_samples(
+    target,
+    corpus: str,
+    seq_len: int,
+    max_new_tokens: int,
+    prompt_chars: int = 600,
+    batch_size: int = 8,
+    heldout_fraction: float = 0.1,
+    seed: int = 0,
+) -> Iterator[Sample]:
+    """Chat prompts made from training documents, answered by the target itself (greedy), as SpecForge's
+    and speculators' regeneration does; the loss mask covers the response tokens only."""
+    tokenizer = target.tokenizer
+    eos = target.model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids))
+    docs = zoo.split_documents(corpus, "train", heldout_fraction, seed)
+    while batch := list(islice(docs, batch_size)):
+        prompts = [chat_prompt_ids(tokenizer, zoo.opening(d.text, prompt_chars), corpus) for d in batch]
+        too_long = [len(p) for p in prompts if len(p) + 1 > seq_len]
+        if too_long:
+            raise DataError(
+                f"a chat prompt of {max(too_long)} tokens leaves no room for a reply in data.seq_len "
+                f"{seq_len}; lower data.prompt_chars ({prompt_chars}) or raise data.seq_len"
+            )
+        width = max(len(p) for p in prompts)  # left padding, so that every reply starts at column `width`
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        generated = target.model.generate(
+            input_ids=input_ids.to(target.device),
+            attention_mask=attention_mask.to(target.device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+        )[:, width:].cpu()
+        for doc, prompt, reply in zip(batch, prompts, generated.tolist(), strict=True):
+            ends = [i for i, token in enumerate(reply) if token in eos_ids]
+            reply = reply[: ends[0] + 1] if ends else reply  # keep the end-of-turn token: drafters learn it
+            ids = (prompt + reply)[:seq_len]
+            mask = torch.zeros(len(ids), dtype=torch.bool)
+            mask[len(prompt) :] = True
+            yield Sample(torch.tensor(ids), mask, doc.id)
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _parse_dtype(name: str, where: str) -> torch.dtype:
+    if name not in ("float32", "bfloat16", "float16"):
+        raise DataError(f"{where}: hidden-state dtype must be float32, bfloat16 or float16, got {name!r}")
+    return getattr(torch, name)
+
+
+class DataWriter:
+    """Streams samples into a new data folder; memory holds at most one shard.
+
+    Use as a context manager, or call `close()`; on an exception the partial folder is removed and
+    `path` is never created. An existing `path` is refused (runs never overwrite earlier outputs).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        target: dict,
+        aux_layer_ids: list[int],
+        head: dict[str, Tensor],
+        dtype: torch.dtype = torch.bfloat16,
+        shard_tokens: int = 65536,
+        provenance: dict | None = None,
+    ):
+        self.path = Path(path)
+        # an empty folder (a fresh notebook step folder) may be taken; anything else is never overwritten
+        if self.path.exists() and not (self.path.is_dir() and not any(self.path.iterdir())):
+            raise FileExistsError(f"{self.path} exists; data folders are never overwritten")
+        if shard_tokens < 1:
+            raise DataError(f"shard_tokens must be positive, got {shard_tokens}")
+        missing = [k for k in HEAD_KEYS if k not in head]
+        if missing:
+            raise DataError(f"target head lacks {', '.join(missing)}")
+        self.target, self.aux_layer_ids = target, list(aux_layer_ids)
+        self.hidden_size, self.vocab_size = int(target["hidden_size"]), int(target["vocab_size"])
+        self.dtype, self.shard_tokens, self.provenance = dtype, shard_tokens, provenance or {}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = Path(tempfile.mkdtemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp"))
+        save_file(
+            {k: head[k].detach().contiguous().cpu() for k in HEAD_KEYS},
+            self._tmp / "target_head.safetensors",
+            metadata={
+                "target": target["name"],
+                "fingerprint": target["fingerprint"],
+                "rms_norm_eps": repr(float(target["rms_norm_eps"])),
+            },
+        )
+        self._buffer: list[dict[str, Tensor]] = []
+        self._buffered = 0
+        self.shards: list[dict] = []
+        self.counts = torch.zeros(self.vocab_size, dtype=torch.long)
+        self.argmax_counts = torch.zeros(self.vocab_size, dtype=torch.long)
+        self.num_samples = self.num_tokens = self.num_loss_tokens = 0
+
+    def add(
+        self,
+        input_ids: Tensor,
+        loss_mask: Tensor,
+        aux_hidden_states: Tensor,
+        last_hidden_state: Tensor,
+        target_argmax: Tensor,
+    ) -> None:
+        """One sample, unshifted, without padding: [T], [T], [T, A*H], [T, H], [T]."""
+        length = input_ids.shape[0]
+        widths = {
+            "aux_hidden_states": len(self.aux_layer_ids) * self.hidden_size,
+            "last_hidden_state": self.hidden_size,
+        }
+        shapes = {
+            "input_ids": (length,),
+            "loss_mask": (length,),
+            "target_argmax": (length,),
+            "aux_hidden_states": (length, widths["aux_hidden_states"]),
+            "last_hidden_state": (length, widths["last_hidden_state"]),
+        }
+        given = {
+            "input_ids": input_ids,
+            "loss_mask": loss_mask,
+            "aux_hidden_states": aux_hidden_states,
+            "last_hidden_state": last_hidden_state,
+            "target_argmax": target_argmax,
+        }
+        for key, shape in shapes.items():
+            if tuple(given[key].shape) != shape:
+                raise DataError(
+                    f"sample {self.num_samples}: {key} has shape {list(given[key].shape)}, "
+                    f"expected {list(shape)}"
+                )
+        input_ids, loss_mask = input_ids.long().cpu(), loss_mask.bool().cpu()
+        target_argmax = target_argmax.long().cpu()
+        for key, ids in (("input_ids", input_ids), ("target_argmax", target_argmax)):
+            if length and not 0 <= int(ids.min()) <= int(ids.max()) < self.vocab_size:
+                raise DataError(
+                    f"sample {self.num_samples}: {key} outside the vocabulary [0, {self.vocab_size})"
+                )
+        self.counts += torch.bincount(input_ids[loss_mask], minlength=self.vocab_size)
+        self.argmax_counts += torch.bincount(target_argmax[loss_mask], minlength=self.vocab_size)
+        self._buffer.append(
+            {
+                "input_ids": input_ids,
+                "loss_mask": loss_mask,
+                "target_argmax": target_argmax,
+                "aux_hidden_states": aux_hidden_states.detach().to("cpu", self.dtype),
+                "last_hidden_state": last_hidden_state.detach().to("cpu", self.dtype),
+            }
+        )
+        self._buffered += length
+        self.num_samples += 1
+        self.num_tokens += length
+        self.num_loss_tokens += int(loss_mask.sum())
+        if self._buffered >= self.shard_tokens:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._buffer:
+            return
+        name = f"shard_{len(self.shards):05d}.safetensors"
+        tensors = {k: torch.cat([s[k] for s in self._buffer]) for k in self._buffer[0]}
+        tensors["sample_lengths"] = torch.tensor(
+            [len(s["input_ids"]) for s in self._buffer], dtype=torch.long
+        )
+        save_file(tensors, self._tmp / name)
+        self.shards.append({"file": name, "num_samples": len(self._buffer), "num_tokens": self._buffered})
+        self._buffer, self._buffered = [], 0
+
+    def close(self) -> Path:
+        """Write the last shard, the token counts and the manifest; move the folder into place."""
+        self._flush()
+        if not self.shards:
+            self.abort()
+            raise DataError(f"{self.path}: no samples were written")
+        save_file(
+            {"counts": self.counts, "argmax_counts": self.argmax_counts},
+            self._tmp / "token_counts.safetensors",
+        )
+        manifest = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "target": self.target,
+            "aux_layer_ids": self.aux_layer_ids,
+            "aux_layer_convention": AUX_CONVENTION,
+            "last_hidden": LAST_HIDDEN,
+            "dtype": _dtype_name(self.dtype),
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "num_samples": self.num_samples,
+            "num_tokens": self.num_tokens,
+            "num_loss_tokens": self.num_loss_tokens,
+            "shards": self.shards,
+            "provenance": self.provenance,
+        }
+        (self._tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        os.chmod(self._tmp, 0o755)
+        if self.path.is_dir():  # the empty folder this writer was allowed to take
+            self.path.rmdir()
+        os.rename(self._tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> DataWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def capture_to_folder(
+    target,
+    samples: Iterable[Sample],
+    path: str | os.PathLike,
+    *,
+    num_tokens: int,
+    aux_layer_ids: list[int] | None = None,
+    batch_size: int = 8,
+    dtype: torch.dtype = torch.bfloat16,
+    shard_tokens: int = 65536,
+    provenance: dict | None = None,
+) -> Path:
+    """Run the target over samples until `num_tokens` tokens are captured; write a data folder.
+
+    Samples are batched with right padding; a pool of batches is sorted by length first so that
+    batches waste little on padding.
+    """
+    ids = target.check_aux_layer_ids(aux_layer_ids)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    label = (provenance or {}).get("corpus", Path(path).name)
+    progress = tqdm(total=num_tokens, unit="tok", desc=f"capture {label}")
+    samples = iter(samples)
+    with DataWriter(
+        path,
+        target=target.describe(),
+        aux_layer_ids=ids,
+        head=target.head_weights(),
+        dtype=dtype,
+        shard_tokens=shard_tokens,
+        provenance=provenance,
+    ) as writer:
+        while writer.num_tokens < num_tokens:
+            pool = _take_tokens(samples, num_tokens - writer.num_tokens, batch_size * 8)
+            if not pool:
+                break
+            pool.sort(key=lambda s: len(s.input_ids))
+            for start in range(0, len(pool), batch_size):
+                batch = pool[start : start + batch_size]
+                input_ids, attention_mask = _pad([s.input_ids for s in batch], pad)
+                captured = target.capture(input_ids, attention_mask, ids)
+                for row, sample in enumerate(batch):
+                    n = len(sample.input_ids)
+                    writer.add(
+                        sample.input_ids,
+                        sample.loss_mask,
+                        captured.aux_hidden_states[row, :n],
+                        captured.last_hidden_state[row, :n],
+                        captured.target_argmax[row, :n],
+                    )
+                    progress.update(n)
+        if writer.num_tokens < num_tokens:
+            progress.close()
+            raise DataError(
+                f"the text ran out after {writer.num_tokens} of the {num_tokens} tokens asked for; "
+                "ask for fewer tokens or a larger corpus"
+            )
+        progress.close()
+        return writer.close()
+
+
+def _take_tokens(samples: Iterator[Sample], tokens: int, max_samples: int) -> list[Sample]:
+    """Up to `max_samples` samples, stopping once they hold `tokens` tokens (the last one may overshoot)."""
+    taken, total = [], 0
+    for sample in samples:
+        taken.append(sample)
+        total += len(sample.input_ids)
+        if total >= tokens or len(taken) >= max_samples:
+            break
+    return taken
+
+
+def _pad(sequences: list[Tensor], pad: int) -> tuple[Tensor, Tensor]:
+    """Right-pad to the longest: ids [B, T] and attention mask [B, T] (bool)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = seq
+        mask[row, : len(seq)] = True
+    return ids, mask
+
+
+def prepare(
+    target,
+    corpus: str,
+    path: str | os.PathLike,
+    *,
+    num_tokens: int,
+    text: str = "raw",
+    seq_len: int = 512,
+    max_new_tokens: int = 128,
+    prompt_chars: int = 600,
+    aux_layer_ids: list[int] | None = None,
+    batch_size: int = 8,
+    dtype: str = "bfloat16",
+    shard_tokens: int = 65536,
+    heldout_fraction: float = 0.1,
+    seed: int = 0,
+) -> Path:
+    """Training text of one corpus (raw or self-distilled) through the target into a data folder."""
+    if text == "raw":
+        samples = raw_samples(target.tokenizer, corpus, seq_len, heldout_fraction, seed)
+    elif text == "self-distill":
+        samples = self_distilled_samples(
+            target, corpus, seq_len, max_new_tokens, prompt_chars, batch_size, heldout_fraction, seed
+        )
+    else:
+        raise DataError(f"data.text must be raw or self-distill, got {text!r}")
+    provenance = {
+        **zoo.corpus_description(corpus),
+        "split": "train",
+        "heldout_fraction": heldout_fraction,
+        "seed": seed,
+        "text": text,
+        "seq_len": seq_len,
+    }
+    if text == "self-distill":
+        provenance.update(max_new_tokens=max_new_tokens, prompt_chars=prompt_chars, decoding="greedy")
+    return capture_to_folder(
+        target,
+        samples,
+        path,
+        num_tokens=num_tokens,
+        aux_layer_ids=aux_layer_ids,
+        batch_size=batch_size,
+        dtype=_parse_dtype(dtype, "data.dtype"),
+        shard_tokens=shard_tokens,
+        provenance=provenance,
+    )
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _read_header(file: Path) -> dict[str, tuple[list[int], str]]:
+    """{key: (shape, dtype)} of a safetensors file, or a DataError naming the file."""
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            return {
+                k: (handle.get_slice(k).get_shape(), handle.get_slice(k).get_dtype()) for k in handle.keys()
+            }
+    except Exception as err:  # safetensors raises its own error types for truncated or corrupt files
+        raise DataError(f"{file}: not a readable safetensors file (truncated or corrupt?): {err}") from err
+
+
+def _load_safetensors(file: Path, keys: Iterable[str] | None = None) -> dict[str, Tensor]:
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            return {k: handle.get_tensor(k) for k in (keys or handle.keys())}
+    except Exception as err:
+        raise DataError(f"{file}: cannot read its tensors (truncated or corrupt?): {err}") from err
+
+
+_ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def load_target_head(path: str | os.PathLike) -> tuple[dict[str, Tensor], float | None]:
+    """A `target_head.safetensors` (or a data folder holding one): the head tensors and the norm's eps."""
+    file = Path(path)
+    file = file / "target_head.safetensors" if file.is_dir() else file
+    if not file.is_file():
+        raise DataError(f"{file}: no target head file")
+    header = _read_header(file)
+    missing = [k for k in HEAD_KEYS if k not in header]
+    if missing:
+        raise DataError(f"{file}: lacks {', '.join(missing)}")
+    with safe_open(str(file), framework="pt") as handle:
+        eps = (handle.metadata() or {}).get("rms_norm_eps")
+    return _load_safetensors(file, HEAD_KEYS), None if eps is None else float(eps)
+
+
+class DataReader:
+    """Training batches from a data folder, a SpecForge dump or a speculators dump.
+
+    - eagle3lib folder (`manifest.json`): the manifest is checked against every shard on opening.
+    - SpecForge (`data_*.ckpt`, any depth): `input_ids`, `loss_mask`, `hidden_state` [1, T, H] (after the
+      final norm), `aux_hidden_state` [1, T, A*H].
+    - speculators (`hs_*.safetensors`, any depth): `token_ids` [T], `hidden_states` [T, A+1, H], the last
+      slot the verifier's state before the final norm. speculators keeps loss masks in its Arrow dataset,
+      which is not read here: a file's own `loss_mask` is used, else `assume_full_loss_mask=True` must be
+      passed to train on every position.
+    Dumps carry no target argmax and no aux ids: `target` (a loaded Target) or `head` (a
+    target_head.safetensors) supplies the head that computes the argmax (and, for speculators, the final
+    norm); `aux_layer_ids` (eagle3lib numbering) records which layers the dump holds.
+    `target`, when given, is also checked against the data (fingerprint, sizes, aux ids).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        target=None,
+        *,
+        head: str | os.PathLike | None = None,
+        aux_layer_ids: list[int] | None = None,
+        assume_full_loss_mask: bool = False,
+    ):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise DataError(f"{self.path}: data folder not found")
+        self._target, self._head_path, self._head = target, head, None
+        self.assume_full_loss_mask = assume_full_loss_mask
+        if (self.path / "manifest.json").is_file():
+            self.format = "eagle3lib"
+            self.manifest = self._check_manifest()
+            self._head_path = self.path / "target_head.safetensors"
+            if aux_layer_ids is not None and list(aux_layer_ids) != self.manifest["aux_layer_ids"]:
+                raise DataError(
+                    f"{self.path}: holds aux layers {self.manifest['aux_layer_ids']}, "
+                    f"not the {list(aux_layer_ids)} asked for"
+                )
+        else:
+            self.format, self.files = self._find_dump()
+            self.manifest = self._dump_manifest(aux_layer_ids)
+        if target is not None:
+            self.check_target(target)
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def aux_layer_ids(self) -> list[int] | None:
+        return self.manifest["aux_layer_ids"]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.manifest["hidden_size"]
+
+    @property
+    def num_aux_layers(self) -> int:
+        return self.manifest["num_aux_layers"] if self.format != "eagle3lib" else len(self.aux_layer_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        if self.manifest.get("vocab_size") is None:
+            self.manifest["vocab_size"] = self.head["lm_head.weight"].shape[0]
+        return self.manifest["vocab_size"]
+
+    @property
+    def num_samples(self) -> int:
+        return self.manifest["num_samples"]
+
+    @property
+    def head(self) -> dict[str, Tensor]:
+        """The target's embed_tokens / norm / lm_head weights."""
+        if self._head is None:
+            self._head, self._eps = self._load_head()
+        return self._head
+
+    def _load_head(self) -> tuple[dict[str, Tensor], float | None]:
+        if self._head_path is not None:
+            head, eps = load_target_head(self._head_path)
+        elif self._target is not None:
+            head, eps = self._target.head_weights(), self._target.rms_norm_eps
+        else:
+            raise DataError(
+                f"{self.path}: a {self.format} dump carries no target head; pass target= (a Target) "
+                "or head= (a target_head.safetensors) to compute the target's argmax"
+            )
+        width = head["lm_head.weight"].shape[1]
+        if width != self.hidden_size:
+            raise DataError(
+                f"{self.path}: the target head has hidden size {width}, the data {self.hidden_size}"
+            )
+        return head, eps
+
+    def check_target(self, target) -> None:
+        """Refuse a target other than the one the data was captured from (or one that cannot fit it)."""
+        problems = []
+        if target.hidden_size != self.hidden_size:
+            problems.append(f"hidden size {target.hidden_size} vs the data's {self.hidden_size}")
+        recorded = self.manifest.get("target") or {}
+        if recorded.get("vocab_size") is not None and recorded["vocab_size"] != target.vocab_size:
+            problems.append(f"vocab size {target.vocab_size} vs the data's {recorded['vocab_size']}")
+        if recorded.get("fingerprint") and recorded["fingerprint"] != target.fingerprint:
+            problems.append(
+                f"fingerprint {target.fingerprint} vs the data's {recorded['fingerprint']} "
+                f"(captured from {recorded.get('name')})"
+            )
+        if self.aux_layer_ids is not None and max(self.aux_layer_ids) >= target.num_layers:
+            problems.append(f"aux layers {self.aux_layer_ids} outside its {target.num_layers} layers")
+        if problems:
+            where = self.path / "manifest.json" if self.format == "eagle3lib" else self.path
+            raise DataError(f"{where}: the data does not fit target {target.name}: " + "; ".join(problems))
+
+    def token_counts(self) -> Tensor:
+        """Input-token counts under the loss mask, [Vt] int64 (for VocabMap.from_counts)."""
+        if self.format == "eagle3lib":
+            file = self.path / "token_counts.safetensors"
+            counts = _load_safetensors(file, ["counts"])["counts"]
+            if counts.shape != (self.vocab_size,):
+                raise DataError(
+                    f"{file}: counts has shape {list(counts.shape)}, expected [{self.vocab_size}]"
+                )
+            return counts
+        counts = torch.zeros(self.vocab_size, dtype=torch.long)
+        for sample in self.samples():
+            counts += torch.bincount(sample["input_ids"][sample["loss_mask"]], minlength=self.vocab_size)
+        return counts
+
+    # ------------------------------------------------------------------ eagle3lib folders
+
+    def _check_manifest(self) -> dict:
+        file = self.path / "manifest.json"
+        try:
+            manifest = json.loads(file.read_text())
+        except json.JSONDecodeError as err:
+            raise DataError(f"{file}: not valid JSON: {err}") from err
+        required = (
+            "format",
+            "version",
+            "target",
+            "aux_layer_ids",
+            "last_hidden",
+            "dtype",
+            "hidden_size",
+            "vocab_size",
+            "num_samples",
+            "num_tokens",
+            "shards",
+        )
+        missing = [k for k in required if k not in manifest]
+        if missing:
+            raise DataError(f"{file}: lacks {', '.join(missing)}")
+        if manifest["format"] != FORMAT or manifest["version"] != FORMAT_VERSION:
+            raise DataError(
+                f"{file}: format {manifest['format']!r} v{manifest['version']}, expected {FORMAT!r} "
+                f"v{FORMAT_VERSION}"
+            )
+        if manifest["last_hidden"] != LAST_HIDDEN:
+            raise DataError(
+                f"{file}: last_hidden is {manifest['last_hidden']!r}; this reader needs {LAST_HIDDEN!r}"
+            )
+        if manifest["dtype"] not in _ST_DTYPES.values():
+            raise DataError(f"{file}: dtype {manifest['dtype']!r} is not float32, bfloat16 or float16")
+        listed = [s["file"] for s in manifest["shards"]]
+        on_disk = sorted(p.name for p in self.path.glob("shard_*.safetensors"))
+        if sorted(listed) != on_disk:
+            raise DataError(f"{file}: lists shards {listed} but the folder holds {on_disk}")
+        hidden, width = manifest["hidden_size"], len(manifest["aux_layer_ids"]) * manifest["hidden_size"]
+        for entry in manifest["shards"]:
+            self._check_shard(self.path / entry["file"], entry, hidden, width, manifest["dtype"])
+        for key in ("num_samples", "num_tokens"):
+            total = sum(s[key] for s in manifest["shards"])
+            if total != manifest[key]:
+                raise DataError(f"{file}: {key} is {manifest[key]} but the shards add up to {total}")
+        for name, shapes in (
+            ("token_counts.safetensors", {"counts": [manifest["vocab_size"]]}),
+            (
+                "target_head.safetensors",
+                {
+                    "embed_tokens.weight": [manifest["vocab_size"], hidden],
+                    "norm.weight": [hidden],
+                    "lm_head.weight": [manifest["vocab_size"], hidden],
+                },
+            ),
+        ):
+            header = _read_header(self.path / name) if (self.path / name).is_file() else None
+            if header is None:
+                raise DataError(f"{self.path / name}: missing from the data folder")
+            for key, shape in shapes.items():
+                if key not in header or header[key][0] != shape:
+                    found = header[key][0] if key in header else "nothing"
+                    raise DataError(f"{self.path / name}: {key} should be {shape}, found {found}")
+        return manifest
+
+    @staticmethod
+    def _check_shard(shard: Path, entry: dict, hidden: int, width: int, dtype: str) -> None:
+        header = _read_header(shard)
+        missing = [k for k in SHARD_KEYS if k not in header]
+        if missing:
+            raise DataError(f"{shard}: lacks {', '.join(missing)}")
+        n = entry["num_tokens"]
+        expected = {
+            "input_ids": [n],
+            "loss_mask": [n],
+            "target_argmax": [n],
+            "aux_hidden_states": [n, width],
+            "last_hidden_state": [n, hidden],
+            "sample_lengths": [entry["num_samples"]],
+        }
+        for key, shape in expected.items():
+            if header[key][0] != shape:
+                raise DataError(f"{shard}: {key} has shape {header[key][0]}, the manifest implies {shape}")
+        for key in ("aux_hidden_states", "last_hidden_state"):
+            if _ST_DTYPES.get(header[key][1]) != dtype:
+                raise DataError(f"{shard}: {key} is {header[key][1]}, the manifest says {dtype}")
+        lengths = _load_safetensors(shard, ["sample_lengths"])["sample_lengths"]
+        if int(lengths.sum()) != n or bool((lengths < 1).any()):
+            raise DataError(f"{shard}: sample_lengths add up to {int(lengths.sum())}, not its {n} tokens")
+
+    def _shard_samples(self, entry: dict, order: Tensor | None) -> Iterator[dict[str, Tensor]]:
+        tensors = _load_safetensors(self.path / entry["file"])
+        lengths = tensors.pop("sample_lengths")
+        starts = torch.cumsum(lengths, 0) - lengths
+        for i in order.tolist() if order is not None else range(len(lengths)):
+            start, n = int(starts[i]), int(lengths[i])
+            yield {k: v[start : start + n] for k, v in tensors.items()}
+
+    # ------------------------------------------------------------------ dumps of other tools
+
+    def _find_dump(self) -> tuple[str, list[Path]]:
+        for fmt, pattern in (("specforge", "data_*.ckpt"), ("speculators", "hs_*.safetensors")):
+            files = sorted(self.path.rglob(pattern), key=_index_in_name)
+            if files:
+                return fmt, files
+        raise DataError(
+            f"{self.path}: no manifest.json, no SpecForge data_*.ckpt and no speculators "
+            "hs_*.safetensors files: not a data folder"
+        )
+
+    def _dump_manifest(self, aux_layer_ids: list[int] | None) -> dict:
+        first = self._read_dump(self.files[0], check_widths=False)
+        hidden = first["last_hidden_state"].shape[-1]
+        num_aux = first["aux_hidden_states"].shape[-1] // hidden
+        if aux_layer_ids is not None and len(aux_layer_ids) != num_aux:
+            raise DataError(
+                f"{self.files[0]}: holds {num_aux} aux states per token, but aux_layer_ids "
+                f"{list(aux_layer_ids)} names {len(aux_layer_ids)}"
+            )
+        return {
+            "format": self.format,
+            "target": None,
+            "hidden_size": hidden,
+            "num_aux_layers": num_aux,
+            "aux_layer_ids": None if aux_layer_ids is None else list(aux_layer_ids),
+            "aux_layer_convention": AUX_CONVENTION,
+            "last_hidden": LAST_HIDDEN,
+            "vocab_size": None,
+            "dtype": _dtype_name(first["aux_hidden_states"].dtype),
+            "num_samples": len(self.files),
+        }
+
+    def _read_dump(self, file: Path, check_widths: bool = True) -> dict[str, Tensor]:
+        """One dump file as a sample with our keys (target_argmax not yet added); shapes checked, and
+        hidden widths against the first file's."""
+        if self.format == "specforge":
+            try:
+                raw = torch.load(file, map_location="cpu", weights_only=True)
+            except Exception as err:
+                raise DataError(
+                    f"{file}: cannot be read by torch.load (truncated or corrupt?): {err}"
+                ) from err
+            need = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
+            if not isinstance(raw, dict) or any(k not in raw for k in need):
+                found = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
+                raise DataError(f"{file}: a SpecForge sample needs keys {list(need)}, found {found}")
+            sample = {
+                "input_ids": raw["input_ids"].reshape(-1),
+                "loss_mask": raw["loss_mask"].reshape(-1),
+                "last_hidden_state": _squeeze_batch(raw["hidden_state"], file, "hidden_state"),
+                "aux_hidden_states": _squeeze_batch(raw["aux_hidden_state"], file, "aux_hidden_state"),
+            }
+        else:
+            raw = _load_safetensors(file)
+            if "hidden_states" not in raw or "token_ids" not in raw:
+                raise DataError(
+                    f"{file}: a speculators sample needs hidden_states and token_ids, found {sorted(raw)}"
+                )
+            states = raw["hidden_states"]
+            if states.dim() != 3 or states.shape[1] < 2:
+                raise DataError(f"{file}: hidden_states has shape {list(states.shape)}, expected [T, A+1, H]")
+            if "loss_mask" in raw:
+                loss_mask = raw["loss_mask"].reshape(-1)
+            elif self.assume_full_loss_mask:
+                loss_mask = torch.ones(states.shape[0], dtype=torch.bool)
+            else:
+                raise DataError(
+                    f"{file}: no loss_mask (speculators keeps it in its Arrow dataset); pass "
+                    "assume_full_loss_mask=True to train on every position"
+                )
+            sample = {
+                "input_ids": raw["token_ids"].reshape(-1),
+                "loss_mask": loss_mask,
+                "aux_hidden_states": states[:, :-1].flatten(1),
+                "last_hidden_state": states[:, -1],
+            }
+        length = sample["input_ids"].shape[0]
+        for key, value in sample.items():
+            if value.shape[0] != length:
+                raise DataError(f"{file}: {key} covers {value.shape[0]} positions, input ids {length}")
+        if check_widths:
+            hidden, num_aux = self.hidden_size, self.num_aux_layers
+            if (
+                sample["last_hidden_state"].shape[-1] != hidden
+                or sample["aux_hidden_states"].shape[-1] != num_aux * hidden
+            ):
+                raise DataError(
+                    f"{file}: hidden states of widths {sample['last_hidden_state'].shape[-1]} / "
+                    f"{sample['aux_hidden_states'].shape[-1]}, but {self.files[0].name} has {hidden} / "
+                    f"{num_aux * hidden}"
+                )
+        sample["input_ids"], sample["loss_mask"] = sample["input_ids"].long(), sample["loss_mask"].bool()
+        return sample
+
+    def _complete_dump_sample(self, sample: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Add what dumps lack: the normed last state (speculators) and the target argmax over Vt."""
+        head = self.head
+        last = sample["last_hidden_state"]
+        if self.format == "speculators":
+            if self._eps is None:
+                raise DataError(f"{self._head_path}: no rms_norm_eps in its metadata; pass target= instead")
+            normed = last.float() * torch.rsqrt(last.float().pow(2).mean(-1, keepdim=True) + self._eps)
+            last = head["norm.weight"].to(last.dtype) * normed.to(last.dtype)
+        weight = head["lm_head.weight"].float()
+        argmax = torch.cat([(part.float() @ weight.T).argmax(-1) for part in last.split(1024)])
+        return {**sample, "last_hidden_state": last, "target_argmax": argmax}
+
+    # ------------------------------------------------------------------ iteration
+
+    def samples(self, shuffle: bool = False, seed: int = 0) -> Iterator[dict[str, Tensor]]:
+        """Every sample as unpadded [T, ...] tensors; with `shuffle`, shards (or files) and the samples
+        within each shard come in a seeded random order (memory stays at one shard)."""
+        generator = torch.Generator().manual_seed(seed)
+        if self.format == "eagle3lib":
+            shards = self.manifest["shards"]
+            for s in (
+                torch.randperm(len(shards), generator=generator).tolist() if shuffle else range(len(shards))
+            ):
+                entry = shards[s]
+                order = torch.randperm(entry["num_samples"], generator=generator) if shuffle else None
+                yield from self._shard_samples(entry, order)
+        else:
+            for i in (
+                torch.randperm(len(self.files), generator=generator).tolist()
+                if shuffle
+                else range(len(self.files))
+            ):
+                yield self._complete_dump_sample(self._read_dump(self.files[i]))
+
+    def batches(
+        self, batch_size: int, seq_len: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False
+    ) -> Iterator[dict[str, Tensor]]:
+        """Training batches: `input_ids`, `loss_mask`, `aux_hidden_states`, `last_hidden_state`,
+        `target_argmax` and `attention_mask` (bool), each [B, T, ...] with T ≤ seq_len, right-padded.
+
+        A sample longer than seq_len is cut into consecutive windows of seq_len (nothing is dropped;
+        each window keeps the hidden states captured with the full context).
+        """
+        if batch_size < 1 or seq_len < 2:
+            raise DataError(f"batch_size must be ≥ 1 and seq_len ≥ 2, got {batch_size} and {seq_len}")
+        pending: list[dict[str, Tensor]] = []
+        for sample in self.samples(shuffle, seed):
+            length = sample["input_ids"].shape[0]
+            for start in range(0, length, seq_len):
+                pending.append({k: v[start : start + seq_len] for k, v in sample.items()})
+                if len(pending) == batch_size:
+                    yield _collate(pending)
+                    pending = []
+        if pending and not drop_last:
+            yield _collate(pending)
+
+    def __repr__(self) -> str:
+        return (
+            f"DataReader({str(self.path)!r}, format={self.format}, samples={self.num_samples}, "
+            f"H={self.hidden_size}, aux={self.aux_layer_ids})"
+        )
+
+
+def _index_in_name(path: Path) -> tuple[int, str]:
+    """data_12.ckpt / hs_12.safetensors → 12, so files come in their generation order."""
+    digits = path.stem.rsplit("_", 1)[-1]
+    return (int(digits) if digits.isdigit() else -1, str(path))
+
+
+def _squeeze_batch(tensor: Tensor, file: Path, key: str) -> Tensor:
+    if tensor.dim() == 3 and tensor.shape[0] == 1:
+        return tensor[0]
+    if tensor.dim() == 2:
+        return tensor
+    raise DataError(f"{file}: {key} has shape {list(tensor.shape)}, expected [1, T, width] or [T, width]")
+
+
+def _collate(samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    width = max(s["input_ids"].shape[0] for s in samples)
+    batch = {}
+    for key, first in samples[0].items():
+        out = torch.zeros((len(samples), width, *first.shape[1:]), dtype=first.dtype)
+        for row, sample in enumerate(samples):
+            out[row, : sample[key].shape[0]] = sample[key]
+        batch[key] = out
+    batch["attention_mask"] = torch.zeros((len(samples), width), dtype=torch.bool)
+    for row, sample in enumerate(samples):
+        batch["attention_mask"][row, : sample["input_ids"].shape[0]] = True
+    return batch
+
+
+# ---------------------------------------------------------------- a run's prepared data
+
+
+def prepared_dir(run_dir: str | os.PathLike, which: str = "main") -> Path:
+    """Where 00_prepare_data put a run's data: `main` (data.corpus) is the step folder itself, with its
+    vocab map and token counts at the top; `source` (data.source_corpus) is its `source/` subfolder."""
+    if which not in ("main", "source"):
+        raise ValueError(f"which must be 'main' or 'source', got {which!r}")
+    step = Path(run_dir) / PREPARE_STEP
+    return step if which == "main" else step / SOURCE_SUBDIR
+
+
+def training_data(train: dict, run_dir: str | os.PathLike | None):
+    """The trainer's inputs: `train.data` (else this run's 00_prepare_data) and `train.vocab_map` (else
+    that data folder's vocab map)."""
+    from eagle3lib.runs import resolve_path
+    from eagle3lib.train import TrainingData
+
+    if train["data"]:
+        folder = resolve_path(train["data"])
+    elif run_dir is not None:
+        folder = prepared_dir(run_dir)
+    else:
+        raise DataError("train.data is empty and there is no run folder to take 00_prepare_data's data from")
+    reader = DataReader(folder)
+    map_path = resolve_path(train["vocab_map"]) if train["vocab_map"] else folder / VOCAB_MAP_FILE
+    if not map_path.exists():
+        raise DataError(f"{map_path}: no vocab map (run 00_prepare_data, or set train.vocab_map)")
+    vocab_map = VocabMap.load(map_path, vt=reader.vocab_size)
+    return TrainingData(
+        reader=reader,
+        vocab_map=vocab_map,
+        head=reader.head,
+        target_hidden_size=reader.hidden_size,
+        vocab_size=reader.vocab_size,
+        aux_layer_ids=list(reader.aux_layer_ids),
+        target=reader.manifest["target"]["name"],
+    )
+
+
+def corpora_to_prepare(params: dict) -> dict[str, str]:
+    """{which: corpus} for 00_prepare_data: `main` always, `source` when data.source_corpus is set."""
+    found = {"main": params["data"]["corpus"]}
+    if params["data"]["source_corpus"]:
+        found["source"] = params["data"]["source_corpus"]
+    for corpus in found.values():
+        if corpus not in zoo.CORPORA:
+            raise DataError(f"unknown corpus {corpus!r} in data params; known: {', '.join(zoo.CORPORA)}")
+    return found
+
+
+def load_token_counts(folder: str | os.PathLike) -> tuple[Tensor, Tensor]:
+    """(input-token counts, target-argmax counts) under the loss mask, each [Vt], of a data folder."""
+    tables = _load_safetensors(Path(folder) / "token_counts.safetensors", ["counts", "argmax_counts"])
+    return tables["counts"], tables["argmax_counts"]
+
+
+def prepare_for_run(target, params: dict, which: str, run_dir: str | os.PathLike) -> dict:
+    """00_prepare_data for one corpus: capture its data folder, build its vocab map from the counts, and
+    return the numbers the notebook reports."""
+    corpus = corpora_to_prepare(params)[which]
+    settings = params["data"]
+    folder = prepared_dir(run_dir, which)
+    start = time.perf_counter()
+    prepare(
+        target,
+        corpus,
+        folder,
+        num_tokens=settings["num_tokens"],
+        text=settings["text"],
+        seq_len=settings["seq_len"],
+        max_new_tokens=settings["max_new_tokens"],
+        prompt_chars=settings["prompt_chars"],
+        aux_layer_ids=params["target"]["aux_layer_ids"] or None,
+        batch_size=settings["batch_size"],
+        dtype=settings["dtype"],
+        shard_tokens=settings["shard_tokens"],
+        heldout_fraction=settings["heldout_fraction"],
+        seed=params["run"]["seed"],
+    )
+    seconds = time.perf_counter() - start
+    reader = DataReader(folder, target)
+    counts, argmax_counts = load_token_counts(folder)
+    vocab_map = VocabMap.from_counts(counts, settings["draft_vocab_size"], target.vocab_size, str(folder))
+    vocab_map.save(folder / VOCAB_MAP_FILE)
+    in_map = vocab_map.draft_ids
+    manifest = reader.manifest
+    return {
+        "corpus": corpus,
+        "folder": str(folder),
+        "samples": manifest["num_samples"],
+        "tokens": manifest["num_tokens"],
+        "loss_tokens": manifest["num_loss_tokens"],
+        "shards": len(manifest["shards"]),
+        "seconds": round(seconds, 1),
+        "tokens_per_second": round(manifest["num_tokens"] / seconds, 1),
+        "megabytes": round(sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20, 1),
+        "distinct_tokens": int((counts > 0).sum()),
+        "draft_vocab_size": vocab_map.vd,
+        "input_coverage": float(counts[in_map].sum() / counts.sum()),
+        "prediction_coverage": float(argmax_counts[in_map].sum() / argmax_counts.sum()),
+        "aux_layer_ids": manifest["aux_layer_ids"],
+        "target": manifest["target"]["name"],
+        "fingerprint": manifest["target"]["fingerprint"],
+    }

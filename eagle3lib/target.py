@@ -1,0 +1,293 @@
+"""A Hugging Face causal LM as an EAGLE-3 target: aux hidden states, last hidden state, verifier logits.
+
+Aux-layer id i is the output of decoder layer i (= HF `hidden_states[i + 1]`, SGLang's numbering). The
+states are taken with forward hooks on the decoder layers during one forward pass of the base model:
+HF's `output_hidden_states` would tie its last entry to the normed state, so id N-1 would silently be
+something else. The last hidden state is the one after the final norm, as SpecForge stores it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from eagle3lib import zoo
+from eagle3lib.config import default_aux_layer_ids
+
+# Config keys that change what the model computes; other keys (paths, versions, dtype) do not.
+_ARCHITECTURE_KEYS = (
+    "model_type",
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_parameters",
+    "rope_scaling",
+    "tie_word_embeddings",
+    "hidden_act",
+    "attention_bias",
+    "mlp_bias",
+)
+# Positions per chunk when projecting onto the full vocabulary: bounds the [chunk, Vt] logits, and a
+# chunk small enough to stay in cache makes the argmax nearly free (measured on a 2-core CPU: the
+# argmax of 1024 rows at once cost +40 % of the lm_head matmul, of 256-row chunks +5 %).
+_LOGITS_CHUNK = 256
+
+
+class TargetError(ValueError):
+    """A target that cannot be loaded or used as asked (bad spec, layer id, shapes)."""
+
+
+@dataclass
+class Capture:
+    """What one forward pass of the target gives the drafter; unshifted, one row per input position."""
+
+    aux_hidden_states: Tensor  # [B, T, A*H], aux layers concatenated in the order of the ids
+    last_hidden_state: Tensor  # [B, T, H], after the final norm
+    target_argmax: Tensor  # [B, T] int64, argmax of the target's logits over the full vocabulary
+    logits: Tensor | None = None  # [B, T, Vt] when asked for
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 on GPUs and on CPUs with bfloat16 instructions, float32 elsewhere.
+
+    On this project's 2-core AVX512-BF16 CPU, bench/bench_capture.py measured SmolLM2-135M at several
+    times the float32 throughput in bfloat16; CPUs without bf16 instructions emulate it slowly.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" or _cpu_has_bf16() else torch.float32
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise TargetError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return getattr(torch, dtype)
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: do not guess
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class Target:
+    """A loaded target model with its tokenizer. `name` is the spec it was loaded from."""
+
+    def __init__(self, model: nn.Module, tokenizer, name: str):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = model.config
+        self._decoder = model.get_decoder()
+        self._fingerprint: str | None = None
+
+    @classmethod
+    def load(
+        cls,
+        spec: str | os.PathLike,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto",
+        cache_dir: str | os.PathLike | None = None,
+    ) -> Target:
+        """`spec`: a local Hugging Face folder, a model id already in the local HF cache (nothing is
+        downloaded), or `zoo:smollm2-135m-instruct` / `zoo:tiny-llama`."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        where = zoo.resolve(str(spec), cache_dir) if zoo.is_zoo_spec(spec) else spec
+        device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, device)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
+        except OSError as err:
+            raise TargetError(
+                f"target {spec!r}: not a loadable local Hugging Face folder or cached model "
+                f"(nothing is downloaded at run time): {err}"
+            ) from err
+        return cls(model.to(device), tokenizer, str(spec))
+
+    # ------------------------------------------------------------------ shape facts
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def rms_norm_eps(self) -> float:
+        return float(self.config.rms_norm_eps)
+
+    @property
+    def default_aux_layer_ids(self) -> list[int]:
+        return default_aux_layer_ids(self.num_layers)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def norm(self) -> nn.Module:
+        return self._decoder.norm
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def check_aux_layer_ids(self, aux_layer_ids: list[int] | None) -> list[int]:
+        """The ids to capture (the default when None), refusing ones the target does not have."""
+        ids = self.default_aux_layer_ids if aux_layer_ids is None else [int(i) for i in aux_layer_ids]
+        if not ids:
+            raise TargetError(f"target {self.name}: aux_layer_ids is empty")
+        bad = [i for i in ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise TargetError(
+                f"target {self.name}: aux layer ids {bad} are outside its {self.num_layers} decoder layers "
+                f"(valid ids 0..{self.num_layers - 1}, eagle3lib numbering: id i = output of layer i)"
+            )
+        return ids
+
+    # ------------------------------------------------------------------ forward passes
+
+    @torch.no_grad()
+    def capture(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        aux_layer_ids: list[int] | None = None,
+        return_logits: bool = False,
+    ) -> Capture:
+        """One forward pass: aux states at `aux_layer_ids`, the normed last state, the argmax over Vt.
+
+        Right padding is expected (`attention_mask` 0 after each sequence); padded rows hold garbage.
+        """
+        ids = self.check_aux_layer_ids(aux_layer_ids)
+        if input_ids.dim() != 2:
+            raise TargetError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        outputs: dict[int, Tensor] = {}
+
+        def keep(layer_id: int):
+            def hook(module, args, output):
+                outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+
+            return hook
+
+        handles = [self._decoder.layers[i].register_forward_hook(keep(i)) for i in sorted(set(ids))]
+        try:
+            last = self._decoder(
+                input_ids=input_ids.to(self.device),
+                attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+                use_cache=False,
+            ).last_hidden_state
+        finally:
+            for handle in handles:
+                handle.remove()
+        aux = torch.cat([outputs[i] for i in ids], dim=-1)
+        logits = self.lm_head(last) if return_logits else None
+        argmax = _argmax(logits) if logits is not None else self.full_argmax(last)
+        return Capture(aux, last, argmax, logits)
+
+    @torch.no_grad()
+    def full_argmax(self, last_hidden_state: Tensor) -> Tensor:
+        """argmax over the full vocabulary of `lm_head(last_hidden_state)`, in chunks of positions."""
+        flat = last_hidden_state.reshape(-1, last_hidden_state.shape[-1]).to(self.device, self.dtype)
+        chunks = [_argmax(self.lm_head(part)) for part in flat.split(_LOGITS_CHUNK)]
+        return torch.cat(chunks).reshape(last_hidden_state.shape[:-1])
+
+    def verifier_logits(self, last_hidden_state: Tensor, token_ids: Tensor | None = None) -> Tensor:
+        """The target's logits, restricted to `token_ids` (e.g. a vocab map's `draft_ids`) when given:
+        only those rows of `lm_head` are multiplied, so the cost is Vd, not Vt."""
+        weight = self.lm_head.weight
+        if token_ids is not None:
+            weight = weight[token_ids.to(weight.device)]
+        return nn.functional.linear(last_hidden_state.to(weight.device, weight.dtype), weight)
+
+    # ------------------------------------------------------------------ identity and head
+
+    def head_weights(self) -> dict[str, Tensor]:
+        """The tensors a drafter's trainer needs from the target (copies; tied weights stay separate)."""
+        return {
+            "embed_tokens.weight": self.embed_tokens.weight.detach().clone(),
+            "norm.weight": self.norm.weight.detach().clone(),
+            "lm_head.weight": self.lm_head.weight.detach().clone(),
+        }
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the architecture config and of a fixed sample of every weight tensor.
+
+        Samples are rounded to bfloat16 first, so one checkpoint loaded in float32 or bfloat16 has the
+        same fingerprint; another checkpoint (a finetune, another size) has another one. Sampling keeps
+        it cheap for very large targets.
+        """
+        if self._fingerprint is None:
+            digest = hashlib.sha256()
+            architecture = {k: getattr(self.config, k, None) for k in _ARCHITECTURE_KEYS}
+            digest.update(json.dumps(architecture, sort_keys=True, default=str).encode())
+            for name, tensor in sorted(self.model.state_dict().items()):
+                flat = tensor.detach().reshape(-1)
+                count = min(flat.numel(), 4096)  # evenly spaced, first and last included; integer steps
+                picks = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
+                sample = flat[picks].to(torch.bfloat16).cpu().view(torch.int16)
+                digest.update(f"{name}:{tuple(tensor.shape)}:".encode())
+                digest.update(sample.numpy().tobytes())
+            self._fingerprint = digest.hexdigest()[:16]
+        return self._fingerprint
+
+    def describe(self) -> dict:
+        """The facts a data manifest records about the target."""
+        return {
+            "name": self.name,
+            "fingerprint": self.fingerprint,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"Target({self.name!r}, N={self.num_layers}, H={self.hidden_size}, Vt={self.vocab_size}, "
+            f"dtype={self.dtype}, device={self.device})"
+        )
+
+
+def _argmax(logits: Tensor) -> Tensor:
+    """Index of the first maximum over the last dim, as `argmax`; `max(...).indices` is ~2x faster on CPU
+    for bf16 logits (measured on this project's CPU)."""
+    return logits.max(-1).indices

@@ -1,0 +1,129 @@
+"""Target: aux states equal HF's hidden states at the documented indices; verifier logits; ids; identity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagle3lib.target import Target, TargetError, resolve_dtype
+
+N_LAYERS = 8
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        num_hidden_layers=N_LAYERS,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=97,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # non-trivial norms, so that "before" and "after" the final norm differ
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    return Target(model.float(), tokenizer=None, name="tiny-test-llama")
+
+
+@pytest.fixture(scope="module")
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    input_ids = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+    attention_mask[1, 7:] = False  # right padding
+    return input_ids, attention_mask
+
+
+def hf_forward(target: Target, input_ids, attention_mask):
+    with torch.no_grad():
+        return target.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+
+
+@pytest.mark.parametrize("ids", [[1, 3, 4], [0, 6], [5, 2]])
+def test_aux_states_are_hf_hidden_states_at_id_plus_one(target, batch, ids):
+    captured = target.capture(*batch, aux_layer_ids=ids)
+    reference = hf_forward(target, *batch)
+    expected = torch.cat([reference.hidden_states[i + 1] for i in ids], dim=-1)
+    assert captured.aux_hidden_states.shape == (3, 11, len(ids) * 32)
+    assert torch.equal(captured.aux_hidden_states, expected)
+
+
+def test_last_hidden_state_is_after_the_final_norm_and_argmax_is_over_the_full_vocab(target, batch):
+    captured = target.capture(*batch, return_logits=True)
+    reference = hf_forward(target, *batch)
+    assert torch.equal(captured.last_hidden_state, reference.hidden_states[-1])
+    assert torch.equal(captured.logits, reference.logits)
+    assert torch.equal(captured.target_argmax, reference.logits.argmax(-1))
+    assert torch.equal(target.capture(*batch).target_argmax, captured.target_argmax)  # chunked path
+
+
+def test_last_layer_id_is_the_state_before_the_final_norm(target, batch):
+    # HF ties hidden_states[N] to the normed state; id N-1 must still be decoder layer N-1's own output.
+    captured = target.capture(*batch, aux_layer_ids=[N_LAYERS - 1])
+    with torch.no_grad():
+        assert torch.equal(target.norm(captured.aux_hidden_states), captured.last_hidden_state)
+    assert not torch.equal(captured.aux_hidden_states, captured.last_hidden_state)
+
+
+def test_restricted_verifier_logits_equal_the_full_logits_columns(target, batch):
+    captured = target.capture(*batch, return_logits=True)
+    draft_ids = torch.tensor([0, 3, 5, 17, 42, 96])
+    restricted = target.verifier_logits(captured.last_hidden_state, draft_ids)
+    assert restricted.shape == (3, 11, 6)
+    # a matmul over 6 rows may block its sums differently from one over 97: float rounding only
+    torch.testing.assert_close(restricted, captured.logits[..., draft_ids], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        target.verifier_logits(captured.last_hidden_state), captured.logits, rtol=1e-6, atol=1e-6
+    )
+
+
+def test_default_ids_and_shape_facts(target):
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (N_LAYERS, 32, 97)
+    assert target.default_aux_layer_ids == [1, 3, 4]
+    assert target.embed_tokens is target.model.model.embed_tokens
+
+
+@pytest.mark.parametrize("ids", [[1, N_LAYERS], [-1, 2], []])
+def test_layer_ids_outside_the_target_are_refused(target, batch, ids):
+    with pytest.raises(TargetError, match="tiny-test-llama"):
+        target.capture(*batch, aux_layer_ids=ids)
+
+
+def test_head_weights_are_separate_copies(target):
+    head = target.head_weights()
+    assert set(head) == {"embed_tokens.weight", "norm.weight", "lm_head.weight"}
+    assert torch.equal(head["lm_head.weight"], target.lm_head.weight)
+    assert head["lm_head.weight"].data_ptr() != target.lm_head.weight.data_ptr()
+
+
+def test_fingerprint_ignores_load_dtype_but_not_weights(target):
+    bf16 = Target(LlamaForCausalLM(target.config), None, "copy")
+    bf16.model.load_state_dict(target.model.state_dict())
+    bf16.model.to(torch.bfloat16)
+    assert bf16.fingerprint == target.fingerprint
+    changed = Target(LlamaForCausalLM(target.config), None, "changed")
+    changed.model.load_state_dict(target.model.state_dict())
+    with torch.no_grad():
+        changed.model.model.layers[3].mlp.up_proj.weight.mul_(1.01)
+    assert changed.fingerprint != target.fingerprint
+
+
+def test_dtype_choice():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("auto", cuda) == torch.bfloat16
+    assert resolve_dtype("auto", cpu) in (torch.bfloat16, torch.float32)
+    assert resolve_dtype("float32", cuda) == torch.float32
+    with pytest.raises(TargetError, match="int8"):
+        resolve_dtype("int8", cpu)
+
+
+def test_loading_a_missing_folder_names_it(tmp_path):
+    with pytest.raises(TargetError, match="no-such-model"):
+        Target.load(tmp_path / "no-such-model", device="cpu")
