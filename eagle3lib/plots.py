@@ -38,7 +38,7 @@ def acceptance_by_position(results: dict[str, dict], path: str | os.PathLike | N
         depth = max(depth, len(rates))
         axis.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{name}: τ {metrics['tau']:.2f}")
     axis.set_xticks(range(1, depth + 1))
-    axis.set_ylim(0, 1.02)
+    axis.set_ylim(-0.02, 1.02)
     axis.set_xlabel("draft position k")
     axis.set_ylabel("share of verifications accepting ≥ k drafts")
     axis.set_title("acceptance by draft position", fontsize=10)
@@ -50,7 +50,7 @@ def acceptance_by_position(results: dict[str, dict], path: str | os.PathLike | N
 def speculation_costs(results: dict[str, dict], path: str | os.PathLike | None = None) -> Figure:
     """Per drafter, the milliseconds of one round (drafting and verification) next to what plain decoding
     spends on the same τ tokens: speculation pays off where the bar is shorter than the dashed mark."""
-    fig, axis = plt.subplots(figsize=(7.5, 0.9 + 0.7 * len(results)))
+    fig, axis = plt.subplots(figsize=(7.5, 2.0 + 0.6 * len(results)))
     names = list(results)
     rows = range(len(names))
     draft = [results[n]["draft_ms_per_round"] for n in names]
@@ -64,9 +64,10 @@ def speculation_costs(results: dict[str, dict], path: str | os.PathLike | None =
             axis.plot([plain, plain], [row - 0.4, row + 0.4], color="black", linestyle="--")
     axis.plot([], [], color="black", linestyle="--", label="target alone, τ tokens")
     axis.set_yticks(list(rows), names)
+    axis.invert_yaxis()  # the first drafter on top
     axis.set_xlabel("ms per round")
     axis.set_title("cost of one speculation round", fontsize=10)
-    axis.legend(fontsize=8, loc="lower right")
+    axis.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, frameon=False)
     return _finish(fig, path)
 
 
