@@ -238,3 +238,79 @@ def top_tokens_coverage(
     axis.legend(fontsize=8, loc="lower right")
     axis.grid(alpha=0.3)
     return _finish(fig, path)
+
+
+# ---------------------------------------------------------------------- fine-tuning (notebook 04)
+
+
+def ttt_step_curves(
+    metrics: dict[str, list[dict]], path: str | os.PathLike | None = None
+) -> Figure:
+    """Loss and accuracy of every TTT step over training, one column per arm (metrics.jsonl entries)."""
+    arms = list(metrics)
+    steps = sum(key.startswith("acc_") for key in metrics[arms[0]][0])
+    colors = plt.cm.viridis(torch.linspace(0, 0.9, steps).numpy())
+    fig, axes = plt.subplots(2, len(arms), figsize=(4.2 * len(arms) + 0.6, 6.5), sharex=True, squeeze=False)
+    for column, arm in enumerate(arms):
+        x = [m["step"] for m in metrics[arm]]
+        top, bottom = axes[0, column], axes[1, column]
+        for k in range(steps):
+            top.plot(x, [m[f"loss_{k}"] for m in metrics[arm]], color=colors[k], label=f"step {k}")
+            bottom.plot(x, [m[f"acc_{k}"] for m in metrics[arm]], color=colors[k], label=f"step {k}")
+        top.set_title(arm, fontsize=10)
+        top.set_yscale("log")
+        bottom.set_ylim(0, 1)
+        bottom.set_xlabel("optimizer step")
+        for axis in (top, bottom):
+            axis.grid(alpha=0.3)
+    axes[0, 0].set_ylabel("cross-entropy per TTT step")
+    axes[1, 0].set_ylabel("acc_k: draft argmax = target argmax")
+    axes[0, -1].legend(fontsize=8, loc="upper right")
+    return _finish(fig, path)
+
+
+def finetune_arms(
+    metrics: dict[str, list[dict]], chance_loss: float, path: str | os.PathLike | None = None
+) -> Figure:
+    """The arms side by side over training: step-0 loss against ln(Vd), acc_0, and the predicted τ."""
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    for arm, curve in metrics.items():
+        x = [m["step"] for m in curve]
+        for axis, key in zip(axes, ("loss_0", "acc_0", "tau"), strict=True):
+            axis.plot(x, [m[key] for m in curve], label=arm)
+    axes[0].axhline(chance_loss, color="crimson", linestyle="--", linewidth=1, label="ln(Vd): uniform guess")
+    axes[0].set_ylabel("cross-entropy, TTT step 0")
+    axes[1].set_ylabel("acc_0")
+    axes[1].set_ylim(0, 1)
+    axes[2].set_ylabel("predicted τ = 1 + Σ_k full_acc_k")
+    for axis in axes:
+        axis.set_xlabel("optimizer step")
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("same data, same budget: how each starting point trains", fontsize=11)
+    return _finish(fig, path)
+
+
+def step0_check(checks: dict[str, dict], path: str | os.PathLike | None = None) -> Figure:
+    """Where each arm starts: loss_0 against ln(Vd), acc_0 against always proposing the commonest token."""
+    arms = list(checks)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(max(8.0, 2.6 * len(arms) + 3), 4))
+    colors = ["grey" if not checks[a]["warm_start"] else "tab:green" if checks[a]["passed"] else "crimson"
+              for a in arms]
+    bars = left.bar(arms, [checks[a]["loss_0"] for a in arms], color=colors)
+    left.bar_label(bars, fmt="%.2f", fontsize=8)
+    left.axhline(checks[arms[0]]["chance_loss"], color="black", linestyle="--", linewidth=1,
+                 label=f"ln(Vd) = {checks[arms[0]]['chance_loss']:.2f}")
+    left.set_ylabel("cross-entropy before training (step 0)")
+    left.legend(fontsize=8)
+    bars = right.bar(arms, [checks[a]["acc_0"] for a in arms], color=colors)
+    right.bar_label(bars, fmt="%.3f", fontsize=8)
+    right.axhline(max(checks[a]["baseline_acc"] for a in arms), color="black", linestyle="--", linewidth=1,
+                  label="always the commonest token")
+    right.set_ylabel("acc_0 before training")
+    right.legend(fontsize=8)
+    for axis in (left, right):
+        axis.tick_params(axis="x", labelrotation=15)
+    fig.suptitle("step-0 check (green: warm start passed, red: warm start failed, grey: fresh drafter)",
+                 fontsize=11)
+    return _finish(fig, path)

@@ -83,6 +83,44 @@ DEFAULTS: dict[str, Any] = {
         "missing": "mean",  # rows for tokens the old map lacks: verifier | mean | zeros | random
         "target": "",  # the target head for `verifier` and the proof: data folder, HF folder or zoo:...
     },
+    "train": {  # 04_finetune, eagle3lib.train
+        "arms": ["scratch"],  # a drafter per entry, same data and budget: scratch|drafter|drafter-no-remap
+        "data": "",  # data folder; "" = the one 00_prepare_data wrote in this run
+        "vocab_map": "",  # the draft vocab to train for (map file or checkpoint); "" = the data folder's map
+        "drafter": "",  # checkpoint the warm-start arms begin from
+        "allow_no_remap": False,  # drafter-no-remap reproduces the scrambled-labels bug: refused unless true
+        "remap_missing": "verifier",  # rows for tokens the drafter's map lacks: verifier|mean|zeros|random
+        "train_lm_head": True,  # SpecForge trains lm_head; speculators freezes it
+        "ttt_steps": 7,  # K unrolled train-time-test steps
+        "step_decay": 0.8,  # loss weight of step k is step_decay**k
+        "steps": 200,  # optimizer steps per arm
+        "batch_size": 8,  # sequences per optimizer step, all processes and micro-batches together
+        "micro_batch_size": 1,  # sequences per forward; accumulation = batch_size / (micro x nproc)
+        "seq_len": 512,
+        "lr": 3e-4,
+        "betas": [0.9, 0.95],
+        "weight_decay": 0.0,
+        "warmup_steps": 20,
+        "min_lr_ratio": 0.1,  # cosine decay ends at lr x min_lr_ratio
+        "max_grad_norm": 0.5,  # 0 = no clipping
+        "dtype": "auto",  # auto (bf16 autocast on GPUs that have it, fp32 on CPU) | fp32 | bf16
+        "nproc": 1,  # > 1: data-parallel under torchrun (gloo on CPU, nccl on GPU)
+        "log_every": 10,  # steps between metrics.jsonl entries
+        "checkpoint_every": 100,  # 0 = only the final drafter
+        "keep_checkpoints": 2,
+        "check_batches": 4,  # batches of the step-0 check
+        "check_enforce": True,  # a warm start that fails the step-0 check stops
+        "save_speculators": False,  # also save the final drafter in the speculators layout
+        "scratch": {  # the scratch arm's sizes; null = copy the warm-start drafter's
+            "num_attention_heads": None,
+            "num_key_value_heads": None,
+            "head_dim": None,
+            "intermediate_size": None,
+            "rms_norm_eps": None,
+            "rope_theta": None,
+            "max_position_embeddings": None,
+        },
+    },
 }
 
 

@@ -1,0 +1,893 @@
+"""Fine-tune an EAGLE-3 drafter with train-time test (TTT), in-process or data-parallel under torchrun.
+
+One call trains every arm in `train.arms`, each into its own folder, with the same data, schedule and
+budget:
+- `scratch`: a fresh drafter whose `lm_head` is the target's `lm_head` rows of the draft vocab;
+- `drafter`: the checkpoint in `train.drafter`; when its vocab map differs from the training map its
+  `lm_head` rows are moved with `remap.remap_drafter`, and the remap's proof is logged;
+- `drafter-no-remap`: the same checkpoint with the training map put in place and the rows left where
+  they were. This is the seed bug (labels scrambled), refused unless `train.allow_no_remap`; its
+  step-0 check is reported, not enforced, since the arm exists to show that failure.
+The token embedding is always the target's (from the data folder's `target_head.safetensors`), frozen.
+
+Before the first step every arm runs the step-0 check on a few batches: loss and acc_0 against ln(Vd)
+and against always proposing the most frequent token. A warm start that begins at or above ln(Vd), or
+no better than that baseline, has scrambled labels or mismatched inputs; it stops the arm unless
+`train.check_enforce` is false.
+
+Outputs of an arm (folder `<out>/<arm>/`): `log.txt`, `load_report.txt`, `check.json`,
+`metrics.jsonl` (every `log_every` steps), `checkpoints/step_NNNNNN/` (the drafter in SGLang layout +
+`training_state.pt`; written atomically, the last `keep_checkpoints` kept), `drafter/` (final, SGLang
+layout), `drafter-speculators/` on request, and `summary.json`.
+
+Command line (torchrun-able; gloo on CPU, nccl on GPU):
+    python -m eagle3lib.train --params FILE [-p train.steps=50 ...] --out DIR [--resume]
+    torchrun --nproc_per_node 2 -m eagle3lib.train --params FILE --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from eagle3lib import runs
+from eagle3lib.checkpoint import load_drafter, save_drafter
+from eagle3lib.config import DrafterConfig, read_config
+from eagle3lib.data import training_data
+from eagle3lib.loss import (
+    StepSums,
+    Targets,
+    ce_row_counts,
+    chance_loss,
+    drafter_rows,
+    position_masks,
+    step_weights,
+    summarize,
+    ttt_sums,
+    weighted_loss,
+)
+from eagle3lib.model import Eagle3Drafter
+from eagle3lib.remap import MISSING_POLICIES, drafter_map, remap_drafter
+from eagle3lib.target import resolve_device
+from eagle3lib.vocab import VocabMap
+
+ARMS = ("scratch", "drafter", "drafter-no-remap")
+STATE_FILE = "training_state.pt"
+# train params that do not change what is computed: a resumed run may set them differently
+RESUME_FREE = ("arms", "nproc", "log_every", "checkpoint_every", "keep_checkpoints", "check_batches",
+               "check_enforce", "save_speculators")
+
+
+class TrainingError(ValueError):
+    """Training cannot start or continue as asked; the message says what to check."""
+
+
+class StepZeroCheckFailed(TrainingError):
+    pass
+
+
+class TrainingDiverged(TrainingError):
+    pass
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Processes:
+    """This process's place in a torchrun job (rank 0 of 1 when run plainly)."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @classmethod
+    def start(cls, device: str) -> Processes:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size == 1:
+            return cls(device=resolve_device(device))
+        local_rank = int(os.environ["LOCAL_RANK"])
+        wanted = resolve_device(device)
+        if wanted.type == "cuda":
+            torch.cuda.set_device(local_rank)
+            wanted = torch.device("cuda", local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if wanted.type == "cuda" else "gloo")
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=wanted)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=0)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+# ----------------------------------------------------------------------------- data
+
+
+class BatchStream:
+    """Global batches in a seeded order, epoch after epoch; `state` (epoch, batch index) is what a
+    checkpoint keeps, so a resumed run sees exactly the batches an uninterrupted one would.
+
+    Every rank reads the same global batch and keeps its own slice of it, so the result does not depend
+    on the number of processes. A short last batch of an epoch is left out (logged once).
+    """
+
+    def __init__(self, reader, batch_size: int, seq_len: int, seed: int, log=print):
+        self.reader, self.batch_size, self.seq_len, self.seed = reader, batch_size, seq_len, seed
+        self.log = log
+        self.epoch, self.index = 0, 0
+        self._batches: Iterator[dict] | None = None
+
+    @property
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def restore(self, state: dict) -> None:
+        self.epoch, self.index, self._batches = state["epoch"], state["index"], None
+
+    def _open_epoch(self) -> Iterator[dict]:
+        seed = self.seed + self.epoch
+        batches = self.reader.batches(self.batch_size, self.seq_len, shuffle=True, seed=seed)
+        for _ in range(self.index):  # resume: skip the batches this epoch already gave
+            next(batches)
+        return batches
+
+    def next(self) -> dict:
+        for _ in range(2):
+            if self._batches is None:
+                self._batches = self._open_epoch()
+            for batch in self._batches:
+                size = len(batch["input_ids"])
+                if size == self.batch_size:
+                    self.index += 1
+                    return batch
+                if self.epoch == 0:
+                    self.log(f"each epoch leaves out its last {size} sequence(s): fewer than batch_size="
+                             f"{self.batch_size}")
+            if self.index == 0:
+                break
+            self.epoch, self.index, self._batches = self.epoch + 1, 0, None
+        raise TrainingError(
+            f"the data holds fewer than batch_size={self.batch_size} sequences of up to seq_len="
+            f"{self.seq_len} tokens; lower train.batch_size or prepare more data"
+        )
+
+
+def split_batch(batch: dict, parts: int, part: int) -> dict:
+    """Rows [part*n, (part+1)*n) of every tensor, n = rows / parts."""
+    rows = len(batch["input_ids"]) // parts
+    return {key: value[part * rows : (part + 1) * rows] for key, value in batch.items()}
+
+
+# ----------------------------------------------------------------------------- the objective
+
+
+class TTTObjective(nn.Module):
+    """The drafter's unrolled forward and its per-step sums, as one module: DDP wraps `forward` only."""
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, draft_ids: torch.Tensor):
+        super().__init__()
+        self.drafter, self.steps = drafter, steps
+        self.register_buffer("draft_ids", draft_ids, persistent=False)
+
+    def forward(self, batch: dict, targets: Targets) -> StepSums:
+        input_ids, aux = drafter_rows(batch["input_ids"], batch["aux_hidden_states"])
+        step_logits = (logits for logits, _ in self.drafter.unroll_steps(input_ids, aux, self.steps))
+        return ttt_sums(step_logits, targets, self.draft_ids)
+
+
+@dataclass
+class CheckResult:
+    """The step-0 check: the drafter's loss and acc_0 before any training, and what they say."""
+
+    loss_0: float
+    acc_0: float
+    chance_loss: float  # ln(Vd)
+    baseline_acc: float  # always proposing the most frequent target token of these rows
+    metrics: dict
+    warm_start: bool  # only a warm start can fail: a fresh drafter is checked for reference
+    passed: bool
+    message: str
+
+
+def diagnose(metrics: dict, baseline_acc: float, vd: int, warm_start: bool) -> CheckResult:
+    loss_0, acc_0, ln_vd = metrics["loss_0"], metrics["acc_0"], chance_loss(vd)
+    failures = []
+    if not math.isfinite(loss_0) or loss_0 >= ln_vd:
+        failures.append(f"loss_0 {loss_0:.3f} >= ln(Vd) = ln({vd}) = {ln_vd:.3f}")
+    if acc_0 <= baseline_acc:
+        failures.append(
+            f"acc_0 {acc_0:.2%} is no better than always proposing the most frequent token "
+            f"({baseline_acc:.2%})"
+        )
+    numbers = f"loss_0 {loss_0:.3f} (ln Vd = {ln_vd:.3f}), acc_0 {acc_0:.2%} (baseline {baseline_acc:.2%})"
+    if not warm_start:
+        return CheckResult(loss_0, acc_0, ln_vd, baseline_acc, metrics, False, True,
+                           f"step-0 check (fresh drafter, for reference): {numbers}")
+    if not failures:
+        return CheckResult(loss_0, acc_0, ln_vd, baseline_acc, metrics, True, True,
+                           f"step-0 check passed: {numbers}")
+    message = (
+        f"step-0 check FAILED for a warm start: {'; '.join(failures)}. A drafter that knows its job starts "
+        "well below ln(Vd) and well above the baseline; this one predicts confidently wrong tokens. Check: "
+        "(1) the vocab maps: the checkpoint's d2t/t2d against the training map (`eagle3 diff-vocab`), and "
+        "that lm_head rows were remapped (arm `drafter`, not `drafter-no-remap`); (2) key names: the load "
+        "report must show every weight loaded, none missing or initialised; (3) aux layer ids and hidden "
+        "sizes: the data's aux ids must be the drafter's (eagle3lib numbering = output of layer i)."
+    )
+    return CheckResult(loss_0, acc_0, ln_vd, baseline_acc, metrics, True, False, message)
+
+
+# ----------------------------------------------------------------------------- inputs of an arm
+
+
+@dataclass
+class TrainingData:
+    """The data folder and what the trainer needs from it besides batches."""
+
+    reader: object  # eagle3lib.data.DataReader
+    vocab_map: VocabMap
+    head: dict[str, torch.Tensor]  # the target's embed_tokens / norm / lm_head weights
+    target_hidden_size: int
+    vocab_size: int
+    aux_layer_ids: list[int]
+    target: str  # the target's name, for messages
+
+
+def _check_drafter_fits(drafter: Eagle3Drafter, source: str, data: TrainingData) -> None:
+    c = drafter.config
+    problems = []
+    if c.vocab_size != data.vocab_size:
+        problems.append(f"its Vt is {c.vocab_size}, the data's target has {data.vocab_size}")
+    if c.target_hidden_size != data.target_hidden_size:
+        problems.append(
+            f"it reads target hidden size {c.target_hidden_size}, the data has {data.target_hidden_size}"
+        )
+    if c.hidden_size != data.head["embed_tokens.weight"].shape[1]:
+        problems.append(
+            f"its hidden size {c.hidden_size} differs from the target embedding's "
+            f"{data.head['embed_tokens.weight'].shape[1]}"
+        )
+    if c.aux_layer_ids is not None and list(c.aux_layer_ids) != list(data.aux_layer_ids):
+        problems.append(
+            f"it was trained on aux layers {c.aux_layer_ids}, the data holds layers {data.aux_layer_ids} "
+            "(eagle3lib numbering)"
+        )
+    if problems:
+        raise TrainingError(
+            f"drafter {source} does not fit the data of {data.target}: " + "; ".join(problems)
+        )
+
+
+def scratch_config(train: dict, data: TrainingData) -> DrafterConfig:
+    """A fresh drafter's config: train.scratch sizes, else those of the warm-start drafter (same budget,
+    same architecture), with the target's hidden size, vocab and aux layers."""
+    sizes = dict(train["scratch"])
+    missing = [key for key, value in sizes.items() if value is None]
+    if missing and train["drafter"]:
+        source = read_config(runs.resolve_path(train["drafter"]))[0]
+        sizes.update({key: getattr(source, key) for key in missing})
+    elif missing:
+        raise TrainingError(
+            f"the scratch arm needs train.scratch.{', train.scratch.'.join(missing)}, or a train.drafter "
+            "whose architecture it copies"
+        )
+    hidden = data.head["embed_tokens.weight"].shape[1]
+    return DrafterConfig(
+        hidden_size=hidden,
+        vocab_size=data.vocab_size,
+        draft_vocab_size=data.vocab_map.vd,
+        target_hidden_size=data.target_hidden_size,
+        aux_layer_ids=list(data.aux_layer_ids),
+        **sizes,
+    )
+
+
+def init_drafter(arm: str, train: dict, data: TrainingData, seed: int) -> tuple[Eagle3Drafter, str]:
+    """The drafter an arm starts from, on CPU in float32, and a report of how it was made."""
+    new_map = data.vocab_map
+    if arm == "scratch":
+        torch.manual_seed(seed)
+        drafter = Eagle3Drafter(scratch_config(train, data))
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(data.head["lm_head.weight"][new_map.draft_ids])
+            drafter.d2t.copy_(new_map.d2t)
+            drafter.t2d.copy_(new_map.t2d)
+        report = (
+            f"scratch: fresh drafter (seed {seed}), lm_head = the target's lm_head rows of the {new_map.vd} "
+            f"draft tokens; fc, midlayer and norm freshly initialised\n{_describe_config(drafter.config)}"
+        )
+    elif arm in ("drafter", "drafter-no-remap"):
+        if not train["drafter"]:
+            raise TrainingError(f"arm {arm!r} needs train.drafter, the checkpoint to start from")
+        if arm == "drafter-no-remap" and not train["allow_no_remap"]:
+            raise TrainingError(
+                "arm 'drafter-no-remap' keeps the checkpoint's lm_head rows under a different vocab map: the "
+                "scrambled-labels bug. It exists only to reproduce that bug; set train.allow_no_remap=true"
+            )
+        path = runs.resolve_path(train["drafter"])
+        drafter, load_report = load_drafter(path, strict=True, dtype=torch.float32)
+        _check_drafter_fits(drafter, str(path), data)
+        old_map = drafter_map(drafter, str(path))
+        lines = [f"load report: {load_report}"]
+        verifier = drafter.config.verifier
+        if verifier and verifier != data.target:
+            lines.append(f"note: the checkpoint was made for {verifier}; the data comes from {data.target}")
+        if old_map == new_map:
+            lines.append("vocab map: the checkpoint's map is the training map; nothing to move")
+        elif arm == "drafter":
+            drafter, remap_report = remap_drafter(
+                drafter, new_map, missing=train["remap_missing"], target_head=data.head["lm_head.weight"],
+                seed=seed,
+            )
+            lines.append(f"vocab map differs from the training map: {remap_report.summary()}")
+            if not remap_report.proof.passed:
+                raise TrainingError(f"remap of {path} failed its proof: {remap_report.proof.summary()}")
+        else:
+            agree = int((old_map.draft_ids == new_map.draft_ids).sum()) if old_map.vd == new_map.vd else 0
+            if old_map.vd != new_map.vd:
+                raise TrainingError(
+                    f"drafter-no-remap needs equal draft vocab sizes: the checkpoint has {old_map.vd}, the "
+                    f"training map {new_map.vd}"
+                )
+            with torch.no_grad():
+                drafter.d2t.copy_(new_map.d2t)
+                drafter.t2d.copy_(new_map.t2d)
+            lines.append(
+                f"vocab map REPLACED WITHOUT REMAP (seed bug reproduced on purpose): lm_head rows kept, only "
+                f"{agree} of {new_map.vd} draft positions still name the same token"
+            )
+        report = "\n".join(lines)
+    else:
+        raise TrainingError(f"unknown arm {arm!r}; expected one of {', '.join(ARMS)}")
+    carried = "; the checkpoint's own copy is set aside" if hasattr(drafter, "embed_tokens") else ""
+    drafter.attach_embedding(data.head["embed_tokens.weight"].float())
+    report += f"\nembedding: the target's (target_head.safetensors), frozen{carried}"
+    return drafter.float(), report
+
+
+def _describe_config(c: DrafterConfig) -> str:
+    return (
+        f"H {c.hidden_size}, heads {c.num_attention_heads}/{c.num_key_value_heads} x {c.head_dim}, "
+        f"intermediate {c.intermediate_size}, Vt {c.vocab_size}, Vd {c.draft_vocab_size}, "
+        f"aux layers {c.aux_layer_ids}"
+    )
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+def check_settings(train: dict) -> None:
+    """Refuse train params that cannot work, naming the key, before anything is loaded."""
+    at_least = {"steps": 1, "batch_size": 1, "micro_batch_size": 1, "seq_len": 2, "ttt_steps": 1,
+                "log_every": 1, "check_batches": 1, "keep_checkpoints": 1, "nproc": 1, "warmup_steps": 0,
+                "checkpoint_every": 0}
+    problems = [f"train.{key} must be an integer >= {low}, got {train[key]!r}"
+                for key, low in at_least.items() if not isinstance(train[key], int) or train[key] < low]
+    if not train["lr"] > 0 or not train["step_decay"] > 0 or train["max_grad_norm"] < 0:
+        problems.append(f"train.lr ({train['lr']}) and train.step_decay ({train['step_decay']}) must be "
+                        f"positive, train.max_grad_norm ({train['max_grad_norm']}) not negative")
+    if not 0 <= train["min_lr_ratio"] <= 1:
+        problems.append(f"train.min_lr_ratio must lie in [0, 1], got {train['min_lr_ratio']}")
+    if train["dtype"] not in ("auto", "fp32", "bf16"):
+        problems.append(f"train.dtype must be auto, fp32 or bf16, got {train['dtype']!r}")
+    if train["remap_missing"] not in MISSING_POLICIES:
+        problems.append(f"train.remap_missing must be one of {', '.join(MISSING_POLICIES)}, "
+                        f"got {train['remap_missing']!r}")
+    unknown = [arm for arm in train["arms"] if arm not in ARMS]
+    if unknown or not train["arms"]:
+        problems.append(f"train.arms {train['arms']!r}: each must be one of {', '.join(ARMS)}")
+    if problems:
+        raise TrainingError("; ".join(problems))
+    micro_batches_per_rank(train, train["nproc"])
+
+
+def micro_batches_per_rank(train: dict, world_size: int) -> int:
+    """Gradient-accumulation steps: batch_size = micro_batch_size x world_size x this."""
+    per_rank, rest = divmod(train["batch_size"], world_size * train["micro_batch_size"])
+    if rest or per_rank == 0:
+        raise TrainingError(
+            f"train.batch_size={train['batch_size']} must be a multiple of train.micro_batch_size="
+            f"{train['micro_batch_size']} x {world_size} processes"
+        )
+    return per_rank
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Linear warmup to 1, then cosine decay to min_lr_ratio at total_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Trainer:
+    """Trains one drafter with TTT; `fit()` runs to `train.steps`, from the last checkpoint when resuming."""
+
+    def __init__(self, drafter: Eagle3Drafter, data: TrainingData, train: dict, seed: int, out: Path,
+                 procs: Processes, log=print):
+        self.train, self.seed, self.out, self.procs, self.log = train, seed, out, procs, log
+        self.data = data
+        self.micro_batches = micro_batches_per_rank(train, procs.world_size)
+        device = procs.device
+        self.drafter = drafter.to(device)
+        self.drafter.lm_head.weight.requires_grad_(train["train_lm_head"])
+        draft_ids = data.vocab_map.draft_ids.to(device)
+        self.draft_head = data.head["lm_head.weight"][data.vocab_map.draft_ids].float().to(device)
+        self.t2d = data.vocab_map.t2d.to(device)
+        self.objective = TTTObjective(self.drafter, train["ttt_steps"], draft_ids)
+        self.model = self.objective
+        if procs.world_size > 1:
+            self.model = DistributedDataParallel(
+                self.objective, device_ids=[device.index] if device.type == "cuda" else None,
+                forward_sync_buffers=False,  # d2t/t2d/the embedding are the same everywhere and constant
+            )
+        self.weights = step_weights(train["ttt_steps"], train["step_decay"])
+        self.parameters = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.parameters, lr=train["lr"], betas=tuple(train["betas"]), weight_decay=train["weight_decay"]
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: lr_factor(step, train["warmup_steps"], train["steps"], train["min_lr_ratio"]),
+        )
+        self.stream = BatchStream(data.reader, train["batch_size"], train["seq_len"], seed, log=self.log)
+        self.step = 0
+        self.autocast_dtype = _autocast_dtype(train["dtype"], device)
+
+    def to_device(self, batch: dict) -> dict:
+        return {key: value.to(self.procs.device, non_blocking=True) for key, value in batch.items()}
+
+    def autocast(self):
+        """bf16 autocast when `train.dtype` asks for it (and `auto` finds a GPU that does it well)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.procs.device.type, dtype=self.autocast_dtype)
+
+    def _targets(self, batch: dict) -> Targets:
+        return Targets.from_batch(batch, self.draft_head, self.t2d)
+
+    # ------------------------------------------------------------------ step-0 check and evaluation
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[dict]) -> tuple[dict, float]:
+        """Metrics of the current drafter on `batches`, and the most-frequent-token accuracy baseline."""
+        sums = torch.zeros(5, self.train["ttt_steps"], dtype=torch.float64)
+        counts = torch.zeros(self.data.vocab_size, dtype=torch.float64)
+        for batch in batches:
+            batch = self.to_device(batch)
+            targets = self._targets(batch)
+            with self.autocast():
+                sums += self.objective(batch, targets).detached().cpu()
+            counted = targets.argmax[:, 1:][targets.counted[:, 1:]].cpu()
+            counts += torch.bincount(counted, minlength=self.data.vocab_size).double()
+        baseline = float(counts.max() / counts.sum().clamp(min=1))
+        sums = self.procs.broadcast(sums.to(self.procs.device)).cpu()
+        return summarize(sums, self.weights), baseline
+
+    def check_batches(self) -> list[dict]:
+        """The first `check_batches` batches of the data, unshuffled: the same for every arm and rank."""
+        t = self.train
+        batches = self.data.reader.batches(t["micro_batch_size"], t["seq_len"], shuffle=False, seed=0)
+        return [batch for _, batch in zip(range(t["check_batches"]), batches, strict=False)]
+
+    # ------------------------------------------------------------------ one optimizer step
+
+    def _optimizer_step(self, batch: dict) -> tuple[torch.Tensor, float, int]:
+        """Forward/backward over this rank's micro-batches of one global batch, then one AdamW step.
+
+        Returns the step's sums [5, K] (all ranks), the gradient norm, and the tokens seen by all ranks.
+        """
+        procs, n_micro = self.procs, self.micro_batches
+        mine = split_batch(batch, procs.world_size, procs.rank)
+        micro = [self.to_device(split_batch(mine, n_micro, i)) for i in range(n_micro)]
+        masks = [position_masks(m, self.t2d) for m in micro]
+        # the loss is a mean over the global batch's rows: count them before any backward
+        steps = self.train["ttt_steps"]
+        ce_rows = sum(ce_row_counts(m["in_draft"], m["counted"], steps) for m in masks)
+        ce_rows = procs.all_reduce(ce_rows.double())
+        sums = torch.zeros(5, self.train["ttt_steps"], dtype=torch.float64, device=procs.device)
+        for i, m in enumerate(micro):
+            sync = i == n_micro - 1 or procs.world_size == 1
+            with contextlib.nullcontext() if sync else self.model.no_sync():
+                targets = self._targets(m)
+                with self.autocast():
+                    step_sums = self.model(m, targets)
+                # DDP averages gradients over ranks; the global mean needs their sum
+                loss = weighted_loss(step_sums.ce, ce_rows, self.weights) * procs.world_size
+                loss.backward()
+            sums += step_sums.detached()
+        procs.all_reduce(sums)
+        max_norm = self.train["max_grad_norm"] or float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm))
+        tokens = procs.all_reduce(sum(m["attention_mask"].sum() for m in micro).double())
+        return sums, grad_norm, int(tokens)
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self, resume: bool = False) -> dict:
+        t, procs = self.train, self.procs
+        metrics_path = self.out / "metrics.jsonl"
+        if resume:
+            self._restore_latest(metrics_path)
+        from tqdm.auto import tqdm
+
+        window = torch.zeros(5, t["ttt_steps"], dtype=torch.float64)
+        window_tokens, window_start, last = 0, time.perf_counter(), {}
+        progress = tqdm(total=t["steps"], initial=self.step, desc=self.out.name, disable=not procs.main)
+        while self.step < t["steps"]:
+            data_state = dict(self.stream.state)
+            batch = self.stream.next()
+            sums, grad_norm, tokens = self._optimizer_step(batch)
+            if not (math.isfinite(float(sums[0].sum())) and math.isfinite(grad_norm)):
+                self.optimizer.zero_grad(set_to_none=True)
+                path = self.save_checkpoint(data_state)
+                raise TrainingDiverged(
+                    f"{self.out.name}: loss or gradient is not finite at step {self.step + 1} (loss "
+                    f"{float(sums[0].sum()):.4g}, grad norm {grad_norm:.4g}); training stopped, the last "
+                    f"good state (after step {self.step}) is saved at {path}. Lower train.lr or "
+                    "train.max_grad_norm, or check the data for non-finite hidden states"
+                )
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            window += sums.cpu()
+            window_tokens += tokens
+            if self.step % t["log_every"] == 0 or self.step == t["steps"]:
+                elapsed = time.perf_counter() - window_start
+                last = {
+                    "step": self.step,
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm,
+                    "tokens_per_s": window_tokens / elapsed,
+                    **summarize(window, self.weights),
+                }
+                if procs.main:
+                    with metrics_path.open("a") as handle:
+                        handle.write(json.dumps(last) + "\n")
+                progress.set_postfix(loss=f"{last['loss']:.3f}", acc_0=f"{last['acc_0']:.3f}",
+                                     tau=f"{last['tau']:.2f}")
+                window.zero_()
+                window_tokens, window_start = 0, time.perf_counter()
+            progress.update(1)
+            if t["checkpoint_every"] and self.step % t["checkpoint_every"] == 0 and self.step < t["steps"]:
+                self.save_checkpoint(self.stream.state)
+        progress.close()
+        return last
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.out / "checkpoints"
+
+    def save_checkpoint(self, data_state: dict) -> Path:
+        """`checkpoints/step_NNNNNN/`: the drafter (SGLang layout) and the training state, written to a
+        temporary folder and renamed into place; older ones beyond `keep_checkpoints` are removed."""
+        path = self.checkpoint_dir / f"step_{self.step:06d}"
+        if self.procs.main:
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(dir=self.checkpoint_dir, prefix=f".{path.name}.", suffix=".tmp"))
+            try:
+                save_drafter(self.drafter, staging / "drafter", layout="sglang")
+                torch.save(
+                    {
+                        "step": self.step,
+                        "optimizer": self.optimizer.state_dict(),
+                        "scheduler": self.scheduler.state_dict(),
+                        "data": data_state,
+                        "rng": _rng_state(),
+                        "train": self.train,
+                        "seed": self.seed,
+                        "world_size": self.procs.world_size,
+                    },
+                    staging / STATE_FILE,
+                )
+                if path.exists():
+                    shutil.rmtree(path)
+                os.replace(staging, path)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            for old in self.checkpoints()[: -self.train["keep_checkpoints"] or None]:
+                shutil.rmtree(old)
+        self.procs.barrier()
+        return path
+
+    def checkpoints(self) -> list[Path]:
+        if not self.checkpoint_dir.is_dir():
+            return []
+        return sorted(p for p in self.checkpoint_dir.glob("step_*") if (p / STATE_FILE).is_file())
+
+    def _restore_latest(self, metrics_path: Path) -> None:
+        found = self.checkpoints()
+        if not found:
+            self.log(f"resume: no checkpoint under {self.checkpoint_dir}; starting at step 0")
+            return
+        path = found[-1]
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+        changed = sorted(
+            key for key, value in self.train.items()
+            if key not in RESUME_FREE and state["train"].get(key) != value
+        )
+        if changed or state["seed"] != self.seed:
+            raise TrainingError(
+                f"resume from {path}: the run's params differ from the checkpoint's in "
+                f"{', '.join(changed) or 'run.seed'}; resume with the same params"
+            )
+        saved = load_drafter(path / "drafter", strict=True, dtype=torch.float32)[0].state_dict()
+        with torch.no_grad():
+            for name, tensor in self.drafter.state_dict().items():
+                tensor.copy_(saved[name])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.stream.restore(state["data"])
+        _set_rng_state(state["rng"])
+        self.step = state["step"]
+        if self.procs.main and metrics_path.exists():  # drop entries logged after that checkpoint
+            lines = metrics_path.read_text().splitlines()
+            kept = [line for line in lines if json.loads(line)["step"] <= self.step]
+            runs.atomic_write_text(metrics_path, "".join(line + "\n" for line in kept))
+        self.log(f"resumed from {path} at step {self.step}")
+
+
+def _autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast where the hardware does it well (`auto`: CUDA with bf16), else plain float32."""
+    if dtype == "fp32":
+        return None
+    if dtype == "bf16":
+        return torch.bfloat16
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+# ----------------------------------------------------------------------------- arms
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    folder: str
+    init_report: str
+    check: dict
+    final: dict  # last logged training metrics
+    final_check: dict  # the step-0 check's batches after training
+    drafter: str  # the final checkpoint (SGLang layout)
+    steps: int
+    seconds: float
+
+    @property
+    def metrics(self) -> list[dict]:
+        path = Path(self.folder) / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def key_numbers(self) -> dict:
+        """What the run summary and report tables show for this arm."""
+        return {
+            "initial_loss": self.check["loss_0"],
+            "initial_acc_0": self.check["acc_0"],
+            "final_loss": self.final_check["loss_0"],
+            "final_acc_0": self.final_check["acc_0"],
+            "predicted_tau": self.final_check["metrics"]["tau"],
+            "check_passed": self.check["passed"],
+            "drafter": self.drafter,
+        }
+
+    @classmethod
+    def read(cls, folder: Path) -> ArmResult:
+        return cls(**json.loads((folder / "summary.json").read_text()))
+
+
+def findings(results: dict[str, ArmResult]) -> str:
+    """One sentence per arm: where it started, where it ended, on the step-0 check's batches."""
+    parts = []
+    for arm, result in results.items():
+        start, end = result.check, result.final_check
+        verdict = "" if arm == "scratch" else f", step-0 check {'passed' if start['passed'] else 'FAILED'}"
+        parts.append(
+            f"{arm}: loss_0 {start['loss_0']:.2f} → {end['loss_0']:.2f} (ln Vd = {start['chance_loss']:.2f}"
+            f"{verdict}), acc_0 {start['acc_0']:.1%} → {end['acc_0']:.1%}, predicted τ "
+            f"{start['metrics']['tau']:.2f} → {end['metrics']['tau']:.2f}"
+        )
+    steps = "/".join(str(s) for s in sorted({result.steps for result in results.values()}))
+    return f"After {steps} optimizer steps on the same data: " + "; ".join(parts) + "."
+
+
+def train_arm(arm: str, params: dict, out: Path, data: TrainingData, procs: Processes,
+              resume: bool = False) -> ArmResult:
+    """Train one arm into `out/<arm>/` and return its result (also written to summary.json)."""
+    train, seed = params["train"], params["run"]["seed"]
+    folder = Path(out) / arm
+    if (folder / "summary.json").exists():
+        if resume:
+            return ArmResult.read(folder)
+        raise runs.RunExistsError(f"{folder} already holds a finished arm; use another output folder")
+    if folder.exists() and any(folder.iterdir()) and not resume:
+        raise runs.RunExistsError(f"{folder} already holds a run; pass --resume to continue it")
+    procs.barrier()  # every rank has looked before rank 0 writes
+    folder.mkdir(parents=True, exist_ok=True)
+    log = _logger(folder / "log.txt", procs)
+    start = time.perf_counter()
+
+    drafter, init_report = init_drafter(arm, train, data, seed)
+    log(f"[{arm}] initialisation:\n{init_report}")
+    if procs.main:
+        runs.atomic_write_text(folder / "load_report.txt", init_report + "\n")
+    trainer = Trainer(drafter, data, train, seed, folder, procs, log=log)
+    check_batches = trainer.check_batches()
+    metrics, baseline = trainer.evaluate(check_batches)
+    check = diagnose(metrics, baseline, data.vocab_map.vd, warm_start=arm != "scratch")
+    log(f"[{arm}] {check.message}")
+    if procs.main:
+        runs.atomic_write_text(folder / "check.json", json.dumps(asdict(check), indent=2) + "\n")
+    if not check.passed:
+        if arm == "drafter-no-remap":
+            log(f"[{arm}] trained anyway: this arm reproduces the bug on purpose (train.allow_no_remap)")
+        elif train["check_enforce"]:
+            raise StepZeroCheckFailed(
+                f"[{arm}] {check.message} (set train.check_enforce=false to train anyway)"
+            )
+        else:
+            log(f"[{arm}] trained anyway: train.check_enforce is false")
+
+    final = trainer.fit(resume=resume)
+    final_metrics, final_baseline = trainer.evaluate(check_batches)
+    final_check = diagnose(final_metrics, final_baseline, data.vocab_map.vd, warm_start=False)
+    drafter_path = folder / "drafter"
+    if procs.main:
+        save_drafter(trainer.drafter, drafter_path, layout="sglang")
+        if train["save_speculators"]:
+            save_drafter(trainer.drafter, folder / "drafter-speculators", layout="speculators")
+    result = ArmResult(
+        arm=arm, folder=str(folder), init_report=init_report, check=asdict(check), final=final,
+        final_check=asdict(final_check), drafter=str(drafter_path), steps=trainer.step,
+        seconds=time.perf_counter() - start,
+    )
+    log(f"[{arm}] done: loss {final_check.loss_0:.3f}, acc_0 {final_check.acc_0:.2%}, predicted tau "
+        f"{final_metrics['tau']:.2f} on the check batches; drafter saved at {drafter_path}")
+    if procs.main:
+        runs.atomic_write_text(folder / "summary.json", json.dumps(asdict(result), indent=2) + "\n")
+    procs.barrier()
+    return result
+
+
+def _logger(path: Path, procs: Processes):
+    def log(message: str) -> None:
+        if procs.main:
+            print(message, flush=True)
+            with path.open("a") as handle:
+                handle.write(message + "\n")
+
+    return log
+
+
+def train_arms(
+    params: dict, out: Path, run_dir: Path | None = None, resume: bool = False
+) -> dict[str, ArmResult]:
+    """Train every arm in `train.arms` into `out/<arm>/`: in this process, or under torchrun when
+    `train.nproc` > 1 (the launched job's log is followed here)."""
+    train = params["train"]
+    check_settings(train)
+    out = Path(out)
+    if train["nproc"] > 1:
+        launch(params, out, run_dir, resume=resume)
+        return {arm: ArmResult.read(out / arm) for arm in train["arms"]}
+    procs = Processes.start(params["run"]["device"])
+    data = training_data(train, run_dir)
+    return {arm: train_arm(arm, params, out, data, procs, resume=resume) for arm in train["arms"]}
+
+
+def launch(params: dict, out: Path, run_dir: Path | None = None, resume: bool = False) -> None:
+    """Run `torchrun --nproc_per_node N -m eagle3lib.train` on these params, echoing its log as it goes."""
+    out.mkdir(parents=True, exist_ok=True)
+    params_file = out / "train_params.yaml"
+    runs.atomic_write_text(params_file, yaml.safe_dump(params, sort_keys=False))
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={params['train']['nproc']}",
+        "-m", "eagle3lib.train", "--params", str(params_file), "--out", str(out),
+    ]
+    if run_dir is not None:
+        command += ["--run-dir", str(run_dir)]
+    if resume:
+        command.append("--resume")
+    log_path = out / "torchrun.log"
+    print("launching:", " ".join(command), flush=True)
+    with log_path.open("w") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=runs.REPO_ROOT)
+        with log_path.open() as follow:
+            while process.poll() is None:
+                _echo(follow)
+                time.sleep(1.0)
+            _echo(follow)
+    if process.returncode:
+        lines = log_path.read_text().splitlines()
+        errors = [line for line in lines if line.startswith("error (rank")] or lines[-30:]
+        raise TrainingError(
+            f"torchrun exited with code {process.returncode} (log: {log_path}):\n" + "\n".join(errors)
+        )
+
+
+def _echo(follow) -> None:
+    text = follow.read()
+    if text:
+        print(text.replace("\r", "\n"), end="", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagle3lib.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--params", required=True, help="a recipe under params/")
+    parser.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", help="output folder (default: outputs/<run.name>/04_finetune)")
+    parser.add_argument("--run-dir", help="the run whose 00_prepare_data holds the data (default: --out/..)")
+    parser.add_argument("--resume", action="store_true", help="continue each arm from its latest checkpoint")
+    args = parser.parse_args(argv)
+    params = runs.load_params(args.params, args.param)
+    out = runs.resolve_path(args.out or Path(runs.OUTPUTS_DIR, params["run"]["name"], "04_finetune"))
+    run_dir = runs.resolve_path(args.run_dir) if args.run_dir else out.parent
+    procs = Processes.start(params["run"]["device"])
+    try:
+        check_settings(params["train"])
+        data = training_data(params["train"], run_dir)
+        for arm in params["train"]["arms"]:
+            train_arm(arm, params, out, data, procs, resume=args.resume)
+    except (ValueError, FileExistsError) as err:  # bad input: params, data, checkpoints, a diverged run
+        print(f"error (rank {procs.rank}): {err}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

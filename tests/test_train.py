@@ -1,0 +1,328 @@
+"""TTT loss and the trainer, on a tiny learnable synthetic task built here.
+
+The task: token x_{t+1} = succ(x_t) for a fixed random successor map over 80 of 128 tokens; the aux
+states encode x_t, the verifier's last hidden state at p is its lm_head row of x_{p+1} (so its argmax
+is the next token). A drafter can learn succ from the embedded token alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from eagle3lib import data, loss, runs, train
+from eagle3lib.checkpoint import load_drafter, save_drafter
+from eagle3lib.data import DataWriter
+from eagle3lib.vocab import VocabMap, load_counts
+
+VT, VD, H, A, T = 128, 64, 32, 3, 16
+SCRATCH = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64,
+           "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: more threads only fight each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def synthetic_samples(seed: int = 0, n: int = 32, used: int = 80) -> tuple[dict, dict]:
+    """Unshifted samples [n, T, ...] of the task, and the target head they were made with."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randperm(VT, generator=g)[:used]
+    succ = torch.arange(VT)
+    succ[tokens] = tokens[torch.randperm(used, generator=g)]
+    head = {"embed_tokens.weight": torch.randn(VT, H, generator=g), "norm.weight": torch.ones(H),
+            "lm_head.weight": torch.randn(VT, H, generator=g)}
+    projections = torch.randn(A, VT, H, generator=g)
+    x = torch.empty(n, T + 1, dtype=torch.long)
+    x[:, 0] = tokens[torch.randint(0, used, (n,), generator=g)]
+    for t in range(T):
+        x[:, t + 1] = succ[x[:, t]]
+    ids = x[:, :T]
+    aux = torch.cat([projections[a][ids] for a in range(A)], -1) + 0.1 * torch.randn(n, T, A * H, generator=g)
+    last = head["lm_head.weight"][x[:, 1:]] / 2
+    loss_mask = torch.ones(n, T, dtype=torch.bool)
+    loss_mask[:, :2] = False  # a two-token "prompt"
+    samples = {"input_ids": ids, "loss_mask": loss_mask, "aux_hidden_states": aux, "last_hidden_state": last,
+               "target_argmax": (last @ head["lm_head.weight"].T).argmax(-1)}
+    return samples, head
+
+
+@pytest.fixture(scope="module")
+def data_folder(tmp_path_factory) -> dict:
+    """A real data folder (DataWriter's format, float32) of the task, and its vocab map file."""
+    samples, head = synthetic_samples()
+    folder = tmp_path_factory.mktemp("data") / "synthetic"
+    target = {"name": "synthetic", "fingerprint": "0" * 16, "hidden_size": H, "vocab_size": VT,
+              "rms_norm_eps": 1e-6}
+    with DataWriter(folder, target=target, aux_layer_ids=[0, 1, 2], head=head, dtype=torch.float32) as writer:
+        for i in range(len(samples["input_ids"])):
+            writer.add(**{key: value[i] for key, value in samples.items()})
+        writer.close()
+    counts = load_counts(folder / "token_counts.safetensors")
+    map_path = VocabMap.from_counts(counts, VD, VT).save(folder.parent / "map.safetensors")
+    return {"data": str(folder), "vocab_map": str(map_path)}
+
+
+def synthetic_data(folders: dict) -> train.TrainingData:
+    return data.training_data({"data": folders["data"], "vocab_map": folders["vocab_map"]}, None)
+
+
+def tiny_params(folders: dict, **train_overrides) -> dict:
+    recipe = {**folders, "steps": 40, "batch_size": 4, "micro_batch_size": 2, "seq_len": T, "lr": 3e-3,
+              "warmup_steps": 5, "log_every": 5, "checkpoint_every": 0, "check_batches": 2, "ttt_steps": 4,
+              "scratch": SCRATCH}
+    recipe.update(train_overrides)
+    return runs.load_params(None, {"train": recipe, "run": {"device": "cpu"}})
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def reference_sums(logits: torch.Tensor, batch: dict, head: torch.Tensor, vocab_map: VocabMap):
+    """The TTT sums written out row by row from the alignment in FORMATS.md §1/§5."""
+    K, B, R, _ = logits.shape
+    verifier = batch["last_hidden_state"] @ head[vocab_map.draft_ids].T
+    sums = torch.zeros(5, K, dtype=torch.float64)
+    for b in range(B):
+        for t in range(R):
+            alive = True
+            for k in range(K):
+                p = t + 1 + k  # verifier position of the token row t predicts at step k: x_{t+2+k}
+                if p + 1 > T - 1:  # that token lies past the end
+                    break
+                target = int(batch["target_argmax"][b, p])
+                hit = int(vocab_map.draft_ids[logits[k, b, t].argmax()]) == target
+                alive = alive and hit
+                if not batch["loss_mask"][b, p + 1]:
+                    continue
+                sums[2, k] += 1
+                sums[3, k] += hit
+                sums[4, k] += alive
+                if vocab_map.t2d[target]:
+                    probs = torch.softmax(verifier[b, p].double(), -1)
+                    sums[0, k] += -(probs * torch.log_softmax(logits[k, b, t].double(), -1)).sum()
+                    sums[1, k] += 1
+    return sums
+
+
+def test_ttt_sums_match_a_row_by_row_reference(data_folder):
+    training = synthetic_data(data_folder)
+    batch = next(training.reader.batches(3, T, shuffle=True, seed=1))
+    batch["loss_mask"][1, 9] = False  # a hole in the loss mask
+    vocab_map, head = training.vocab_map, training.head["lm_head.weight"]
+    logits = torch.randn(4, 3, T - 1, VD, generator=torch.Generator().manual_seed(0))
+    # make some predictions right, so that hits and chains of hits occur
+    right = vocab_map.target_to_draft[batch["target_argmax"]].clamp(min=0)
+    for k in range(2):
+        logits[k, :, : T - 1 - k] += 8 * torch.nn.functional.one_hot(right[:, 1 + k :], VD)
+    targets = loss.Targets.from_batch(batch, head[vocab_map.draft_ids], vocab_map.t2d)
+    sums = loss.ttt_sums(logits, targets, vocab_map.draft_ids).detached()
+    expected = reference_sums(logits, batch, head, vocab_map)
+    torch.testing.assert_close(sums[0], expected[0], rtol=1e-5, atol=1e-4)
+    assert torch.equal(sums[1:], expected[1:])
+    assert sums[3, 0] > 0 and sums[4, 1] > 0 and sums[3, 3] < sums[2, 3]
+
+
+def test_uniform_drafter_scores_ln_vd_and_the_oracle_scores_the_entropy(data_folder):
+    training = synthetic_data(data_folder)
+    batch = next(training.reader.batches(4, T, shuffle=False, seed=0))
+    vocab_map = training.vocab_map
+    draft_head = training.head["lm_head.weight"][vocab_map.draft_ids]
+    targets = loss.Targets.from_batch(batch, draft_head, vocab_map.t2d)
+    weights = loss.step_weights(3, 0.8)
+    uniform = loss.ttt_sums(torch.zeros(3, 4, T - 1, VD), targets, vocab_map.draft_ids).detached()
+    for k in range(3):
+        assert loss.summarize(uniform, weights)[f"loss_{k}"] == pytest.approx(math.log(VD), abs=1e-6)
+    # the oracle: row t at step k outputs the verifier's own logits at position t+1+k
+    verifier = loss.verifier_draft_logits(batch["last_hidden_state"], draft_head)
+    oracle = torch.stack([torch.nn.functional.pad(verifier[:, 1 + k :], (0, 0, 0, k)) for k in range(3)])
+    metrics = loss.summarize(loss.ttt_sums(oracle, targets, vocab_map.draft_ids).detached(), weights)
+    in_ce = (targets.counted & targets.in_draft)[:, 1:]
+    entropy = -(targets.probs * targets.probs.log()).sum(-1)[:, 1:][in_ce]
+    assert metrics["loss_0"] == pytest.approx(float(entropy.mean()), rel=1e-5)
+    in_draft_share = float(targets.in_draft[:, 1:][targets.counted[:, 1:]].float().mean())
+    assert 0.5 < in_draft_share < 1.0
+    assert metrics["acc_0"] == pytest.approx(in_draft_share)  # right wherever the draft vocab has the token
+    assert metrics["tau"] == pytest.approx(1 + sum(metrics[f"full_acc_{k}"] for k in range(3)))
+    assert weights.tolist() == pytest.approx([1.0, 0.8, 0.64])
+
+
+def test_target_ids_outside_the_maps_vocab_are_refused(data_folder):
+    training = synthetic_data(data_folder)
+    batch = next(training.reader.batches(2, T, shuffle=False, seed=0))
+    batch["target_argmax"][0, 3] = VT + 5
+    with pytest.raises(ValueError, match="another target vocabulary"):
+        loss.position_masks(batch, training.vocab_map.t2d)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def test_loss_falls_on_a_learnable_task(tmp_path, data_folder):
+    results = train.train_arms(tiny_params(data_folder, save_speculators=True), tmp_path)
+    result = results["scratch"]
+    curve = result.metrics
+    assert [m["step"] for m in curve] == list(range(5, 41, 5))
+    assert curve[-1]["loss"] < 0.3 * curve[0]["loss"]
+    assert result.final_check["acc_0"] > 0.5 > result.check["acc_0"]
+    assert result.final_check["metrics"]["tau"] > result.check["metrics"]["tau"]
+    assert json.loads((tmp_path / "scratch" / "check.json").read_text())["passed"]
+    # the final drafter loads strictly (SGLang layout) and predicts as the trained one did
+    drafter, report = load_drafter(result.drafter, strict=True)
+    assert report.summary() == "13 loaded, 2 skipped (d2t, t2d), 0 missing, 0 unexpected"
+    assert torch.equal(drafter.d2t, synthetic_data(data_folder).vocab_map.d2t)
+    same, report = load_drafter(tmp_path / "scratch" / "drafter-speculators", strict=True)
+    assert report.layout == "speculators" and torch.equal(same.lm_head.weight, drafter.lm_head.weight)
+
+
+def test_frozen_lm_head_stays_the_targets_rows(tmp_path, data_folder):
+    result = train.train_arms(tiny_params(data_folder, steps=3, train_lm_head=False), tmp_path)["scratch"]
+    drafter, _ = load_drafter(result.drafter, strict=True)
+    training = synthetic_data(data_folder)
+    assert torch.equal(drafter.lm_head.weight, training.head["lm_head.weight"][training.vocab_map.draft_ids])
+    fresh, _ = train.init_drafter("scratch", tiny_params(data_folder)["train"], training, seed=0)  # untrained
+    assert not torch.equal(drafter.fc.weight, fresh.fc.weight)
+
+
+def _trained_drafter(tmp_path, data_folder) -> str:
+    return train.train_arms(tiny_params(data_folder), tmp_path / "source")["scratch"].drafter
+
+
+def _other_map(vocab_map: VocabMap) -> VocabMap:
+    """A map built from other counts: mostly the same tokens, at shifted draft positions."""
+    counts = torch.zeros(VT, dtype=torch.long)
+    counts[vocab_map.draft_ids[4:]] = 10  # drop the 4 lowest ids, add the 4 highest unused
+    counts[(~vocab_map.t2d).nonzero().flatten()[-4:]] = 5
+    return VocabMap.from_counts(counts, VD, VT)
+
+
+def test_step0_check_catches_a_shuffled_map_and_passes_after_remap(tmp_path, data_folder):
+    source = _trained_drafter(tmp_path, data_folder)
+    training = synthetic_data(data_folder)
+    moved = train.TrainingData(**{**training.__dict__, "vocab_map": _other_map(training.vocab_map)})
+    assert int((moved.vocab_map.draft_ids == training.vocab_map.draft_ids).sum()) < 10
+    params = tiny_params(data_folder, drafter=source, allow_no_remap=True)
+    checks = {}
+    for arm in ("drafter", "drafter-no-remap"):
+        drafter, report = train.init_drafter(arm, params["train"], moved, seed=0)
+        trainer = train.Trainer(drafter, moved, params["train"], 0, tmp_path / arm, train.Processes())
+        metrics, baseline = trainer.evaluate(trainer.check_batches())
+        checks[arm] = train.diagnose(metrics, baseline, VD, warm_start=True)
+        assert ("proof PASSED" in report) == (arm == "drafter")
+    assert checks["drafter"].passed, checks["drafter"].message
+    assert checks["drafter"].loss_0 < 0.5 * math.log(VD)
+    assert not checks["drafter-no-remap"].passed
+    assert checks["drafter-no-remap"].loss_0 >= math.log(VD)
+    assert "vocab maps" in checks["drafter-no-remap"].message
+
+    # a checkpoint whose lm_head rows do not fit its own map is stopped before any step
+    broken, _ = load_drafter(source, strict=True)
+    with torch.no_grad():
+        broken.lm_head.weight.copy_(broken.lm_head.weight.roll(7, dims=0))
+    save_drafter(broken, tmp_path / "broken")
+    params = tiny_params(data_folder, arms=["drafter"], drafter=str(tmp_path / "broken"))
+    with pytest.raises(train.StepZeroCheckFailed, match="aux layer ids"):
+        train.train_arms(params, tmp_path / "out")
+    assert not (tmp_path / "out" / "drafter" / "metrics.jsonl").exists()
+
+
+def test_no_remap_arm_needs_the_explicit_flag(data_folder):
+    with pytest.raises(train.TrainingError, match="allow_no_remap"):
+        train.init_drafter("drafter-no-remap", tiny_params(data_folder, drafter="x")["train"],
+                           synthetic_data(data_folder), seed=0)
+
+
+def test_drafter_for_another_target_is_refused(tmp_path, data_folder):
+    source, _ = load_drafter(_trained_drafter(tmp_path, data_folder), strict=True)
+    source.config.aux_layer_ids = [2, 5, 7]
+    save_drafter(source, tmp_path / "other_aux")
+    params = tiny_params(data_folder, drafter=str(tmp_path / "other_aux"))
+    with pytest.raises(train.TrainingError, match=r"aux layers \[2, 5, 7\].*\[0, 1, 2\]"):
+        train.init_drafter("drafter", params["train"], synthetic_data(data_folder), seed=0)
+
+
+def test_resume_continues_bit_for_bit(tmp_path, data_folder, monkeypatch):
+    params = tiny_params(data_folder, steps=8, log_every=1, checkpoint_every=3, keep_checkpoints=1)
+    whole = train.train_arms(params, tmp_path / "whole")["scratch"]
+
+    calls = {"n": 0}
+    original = train.BatchStream.next
+
+    def interrupted(self):
+        calls["n"] += 1
+        if calls["n"] == 6:  # after step 5, with the checkpoint of step 3 on disk
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(train.BatchStream, "next", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train.train_arms(params, tmp_path / "cut")
+    monkeypatch.setattr(train.BatchStream, "next", original)
+    folder = tmp_path / "cut" / "scratch"
+    assert [p.name for p in (folder / "checkpoints").iterdir()] == ["step_000003"]
+    assert len((folder / "metrics.jsonl").read_text().splitlines()) == 5
+    with pytest.raises(runs.RunExistsError, match="--resume"):
+        train.train_arms(params, tmp_path / "cut")
+    resumed = train.train_arms(params, tmp_path / "cut", resume=True)["scratch"]
+
+    assert [m["step"] for m in resumed.metrics] == list(range(1, 9))
+    assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in whole.metrics]
+    a, _ = load_drafter(whole.drafter)
+    b, _ = load_drafter(resumed.drafter)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
+    changed = tiny_params(data_folder, steps=8, log_every=2, checkpoint_every=3, lr=1e-3)
+    (folder / "summary.json").unlink()
+    with pytest.raises(train.TrainingError, match="differ from the checkpoint's in lr"):
+        train.train_arms(changed, tmp_path / "cut", resume=True)
+
+
+class PoisonedReader:
+    """A data reader whose third shuffled batch has NaN aux states."""
+
+    def __init__(self, reader):
+        self.reader = reader
+
+    def batches(self, batch_size, seq_len, shuffle, seed):
+        for i, batch in enumerate(self.reader.batches(batch_size, seq_len, shuffle, seed)):
+            if shuffle and i == 2:
+                batch = {**batch, "aux_hidden_states": batch["aux_hidden_states"] * float("nan")}
+            yield batch
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, data_folder):
+    training = synthetic_data(data_folder)
+    training = train.TrainingData(**{**training.__dict__, "reader": PoisonedReader(training.reader)})
+    with pytest.raises(train.TrainingDiverged, match=r"step 3 .*after step 2.*step_000002"):
+        train.train_arm("scratch", tiny_params(data_folder, steps=10), tmp_path, training,
+                        train.Processes())
+    last_good = tmp_path / "scratch" / "checkpoints" / "step_000002"
+    assert [p.name for p in last_good.parent.iterdir()] == ["step_000002"]
+    saved, report = load_drafter(last_good / "drafter", strict=True)
+    assert report.ok
+    assert all(torch.isfinite(t).all() for t in saved.state_dict().values() if t.is_floating_point())
+
+
+def test_bad_settings_are_refused(tmp_path, data_folder):
+    with pytest.raises(train.TrainingError, match="multiple of train.micro_batch_size"):
+        train.train_arms(tiny_params(data_folder, batch_size=3), tmp_path / "a")
+    with pytest.raises(train.TrainingError, match="fewer than batch_size=64"):
+        train.train_arms(tiny_params(data_folder, batch_size=64, micro_batch_size=64), tmp_path / "b")
+    with pytest.raises(train.TrainingError, match="each must be one of"):
+        train.train_arms(tiny_params(data_folder, arms=["warm"]), tmp_path / "c")
+    with pytest.raises(train.TrainingError, match=r"train.micro_batch_size must be an integer >= 1, got 0"):
+        train.train_arms(tiny_params(data_folder, micro_batch_size=0), tmp_path / "c")
+    with pytest.raises(train.TrainingError, match="train.dtype must be auto, fp32 or bf16"):
+        train.train_arms(tiny_params(data_folder, dtype="fp16"), tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+    other_vt = VocabMap.from_ids(torch.arange(VD), VT + 1).save(tmp_path / "other_vt.safetensors")
+    with pytest.raises(ValueError, match=str(VT + 1)):
+        train.train_arms(tiny_params(data_folder, vocab_map=str(other_vt)), tmp_path / "d")
