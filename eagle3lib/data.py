@@ -219,29 +219,17 @@ class DataWriter:
     ) -> None:
         """One sample, unshifted, without padding: [T], [T], [T, A*H], [T, H], [T]."""
         length = input_ids.shape[0]
-        widths = {
-            "aux_hidden_states": len(self.aux_layer_ids) * self.hidden_size,
-            "last_hidden_state": self.hidden_size,
+        expected = {
+            "input_ids": (input_ids, (length,)),
+            "loss_mask": (loss_mask, (length,)),
+            "target_argmax": (target_argmax, (length,)),
+            "aux_hidden_states": (aux_hidden_states, (length, len(self.aux_layer_ids) * self.hidden_size)),
+            "last_hidden_state": (last_hidden_state, (length, self.hidden_size)),
         }
-        shapes = {
-            "input_ids": (length,),
-            "loss_mask": (length,),
-            "target_argmax": (length,),
-            "aux_hidden_states": (length, widths["aux_hidden_states"]),
-            "last_hidden_state": (length, widths["last_hidden_state"]),
-        }
-        given = {
-            "input_ids": input_ids,
-            "loss_mask": loss_mask,
-            "aux_hidden_states": aux_hidden_states,
-            "last_hidden_state": last_hidden_state,
-            "target_argmax": target_argmax,
-        }
-        for key, shape in shapes.items():
-            if tuple(given[key].shape) != shape:
+        for key, (tensor, shape) in expected.items():
+            if tuple(tensor.shape) != shape:
                 raise DataError(
-                    f"sample {self.num_samples}: {key} has shape {list(given[key].shape)}, "
-                    f"expected {list(shape)}"
+                    f"sample {self.num_samples}: {key} has shape {list(tensor.shape)}, expected {list(shape)}"
                 )
         input_ids, loss_mask = input_ids.long().cpu(), loss_mask.bool().cpu()
         target_argmax = target_argmax.long().cpu()
@@ -342,7 +330,6 @@ def capture_to_folder(
     batches waste little on padding.
     """
     ids = target.check_aux_layer_ids(aux_layer_ids)
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     label = (provenance or {}).get("corpus", Path(path).name)
     progress = tqdm(total=num_tokens, unit="tok", desc=f"capture {label}")
     samples = iter(samples)
@@ -362,8 +349,9 @@ def capture_to_folder(
             pool.sort(key=lambda s: len(s.input_ids))
             for start in range(0, len(pool), batch_size):
                 batch = pool[start : start + batch_size]
-                input_ids, attention_mask = _pad([s.input_ids for s in batch], pad)
-                captured = target.capture(input_ids, attention_mask, ids)
+                # right padding: a causal model's real positions never see what fills the rest
+                padded = _collate([{"input_ids": s.input_ids} for s in batch])
+                captured = target.capture(padded["input_ids"], padded["attention_mask"], ids)
                 for row, sample in enumerate(batch):
                     n = len(sample.input_ids)
                     writer.add(
@@ -374,13 +362,12 @@ def capture_to_folder(
                         captured.target_argmax[row, :n],
                     )
                     progress.update(n)
+        progress.close()
         if writer.num_tokens < num_tokens:
-            progress.close()
             raise DataError(
                 f"the text ran out after {writer.num_tokens} of the {num_tokens} tokens asked for; "
                 "ask for fewer tokens or a larger corpus"
             )
-        progress.close()
         return writer.close()
 
 
@@ -393,17 +380,6 @@ def _take_tokens(samples: Iterator[Sample], tokens: int, max_samples: int) -> li
         if total >= tokens or len(taken) >= max_samples:
             break
     return taken
-
-
-def _pad(sequences: list[Tensor], pad: int) -> tuple[Tensor, Tensor]:
-    """Right-pad to the longest: ids [B, T] and attention mask [B, T] (bool)."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
-    for row, seq in enumerate(sequences):
-        ids[row, : len(seq)] = seq
-        mask[row, : len(seq)] = True
-    return ids, mask
 
 
 def prepare(

@@ -49,7 +49,7 @@ DEFAULTS: dict[str, Any] = {
         "dtype": "bfloat16",  # stored hidden states: bfloat16 | float16 | float32
         "shard_tokens": 32768,  # tokens per shard; writer and reader hold about one shard in memory
         "heldout_fraction": 0.1,  # documents kept out of training (evaluation prompts come from them)
-        "draft_vocab_size": 8192,  # Vd of each vocab map built from the token counts
+        "draft_vocab_size": 32000,  # Vd of each vocab map built from the token counts (EAGLE-3 releases: 32k)
     },
     "probe": {  # 01_probe_drafter (and the prompts and decoding 05_evaluate shares), eagle3lib.speculate
         # the target and its dtype come from the `target` section; the drafter runs in the same dtype
