@@ -1,8 +1,7 @@
 """A run's `summary.md` and HTML renderings, built from what the executed notebooks recorded.
 
-Every number here is read from `metrics.json`, which the notebooks write; nothing is retyped.
-A step's metrics may carry `found` (the sentence its "What we found" cell printed) and
-`figures` (paths relative to the run folder); both are shown under the step's heading.
+Every number here is read from `metrics.json` or from the executed notebooks themselves (the text
+their "What we found" cell printed); nothing is retyped. Each step's figures are the PNGs in its folder.
 """
 
 from __future__ import annotations
@@ -19,32 +18,61 @@ def _fmt(value) -> str:
 
 
 def key_numbers(metrics: dict) -> list[str]:
-    """The experiment's answer in a few tables: map agreement, fine-tuning arms, τ per drafter."""
+    """The experiment's answer in a few lines and tables: map agreement, remap, arms, τ per drafter."""
     lines: list[str] = []
     diff = metrics.get("02_diff_vocab_maps", {})
     if "positions_equal" in diff:
-        lines += [
-            f"- Map agreement: {diff['positions_equal']} of {diff['draft_vocab_size']} draft positions "
-            f"agree; {diff['intersection']} tokens shared.",
-        ]
+        lines.append(
+            f"- Map agreement: {diff['positions_equal']:,} of {diff['positions_compared']:,} draft positions "
+            f"agree (first divergence at {diff['first_divergence']}); {diff['intersection']:,} tokens "
+            f"shared, {diff['only_in_a']:,} only in map A, {diff['only_in_b']:,} only in map B."
+        )
+    remap = metrics.get("03_remap_lm_head", {})
+    if "moved" in remap:
+        proof = remap.get("proof") or {}
+        verdict = "passed" if proof.get("passed") else "FAILED"
+        lines.append(
+            f"- Remap: {remap['moved']:,} rows moved, {remap['in_place']:,} in place, {remap['filled']:,} "
+            f"filled ({remap['missing']}), {remap['dropped']:,} dropped; proof: max |logit difference| "
+            f"{proof.get('max_abs_diff')} over the shared tokens ({verdict})."
+        )
+    probe = metrics.get("01_probe_drafter", {})
+    if "tau" in probe:
+        lines.append(f"- Probe of the source drafter ({probe['backend']}, {probe['steps']} steps): "
+                     f"τ {_fmt(probe['tau'])}.")
     arms = metrics.get("04_finetune", {}).get("arms", {})
     if arms:
-        lines += ["", "| fine-tuning arm | loss step 0 | acc_0 step 0 | loss end | acc_0 end | predicted τ |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "| fine-tuning arm | loss_0 at step 0 | acc_0 at step 0 | loss_0 at end | acc_0 at end "
+                  "| predicted τ |", "|---|---|---|---|---|---|"]
         for name, arm in arms.items():
             lines.append(
                 f"| {name} | {_fmt(arm['initial_loss'])} | {_fmt(arm['initial_acc_0'])} | "
                 f"{_fmt(arm['final_loss'])} | {_fmt(arm['final_acc_0'])} | {_fmt(arm['predicted_tau'])} |"
             )
-    drafters = metrics.get("05_evaluate", {}).get("drafters", {})
-    if drafters:
-        engines = sorted({engine for d in drafters.values() for engine in d.get("tau", {})})
-        lines += ["", "| drafter | " + " | ".join(f"τ ({e})" for e in engines) + " | speedup |",
-                  "|---|" + "---|" * (len(engines) + 1)]
-        for name, d in drafters.items():
-            taus = " | ".join(_fmt(d.get("tau", {}).get(e, "–")) for e in engines)
-            lines.append(f"| {name} | {taus} | {_fmt(d.get('speedup', '–'))} |")
+    evaluate = metrics.get("05_evaluate", {})
+    if evaluate.get("drafters"):
+        lines += ["", f"| drafter ({evaluate['backend']}, {evaluate['steps']} steps) | τ | speedup |",
+                  "|---|---|---|"]
+        for name, d in evaluate["drafters"].items():
+            lines.append(f"| {name} | {_fmt(d['tau'])} | {_fmt(d.get('speedup', '–'))} |")
     return lines
+
+
+def findings(notebook: Path) -> str:
+    """What the executed notebook printed under its "What we found" heading ("" if it did not get there)."""
+    import nbformat
+
+    cells = nbformat.read(notebook, as_version=4).cells
+    headings = [i for i, c in enumerate(cells)
+                if c.cell_type == "markdown" and c.source.strip().lower().startswith("## what we found")]
+    heading = headings[0] if headings else None
+    if heading is None:
+        return ""
+    return "\n".join(
+        output.get("text", "").strip()
+        for cell in cells[heading + 1:] if cell.cell_type == "code"
+        for output in cell.get("outputs", []) if output.get("output_type") == "stream"
+    ).strip()
 
 
 def write_summary(run_dir: Path) -> Path:
@@ -60,13 +88,15 @@ def write_summary(run_dir: Path) -> Path:
         lines += ["## Wall time", "", "| notebook | seconds |", "|---|---|"]
         lines += [f"| {name} | {seconds:.1f} |" for name, seconds in walls.items()]
         lines += [f"| total | {sum(walls.values()):.1f} |", ""]
-    for step, values in metrics.items():
-        if step == "wall_seconds" or not isinstance(values, dict):
-            continue
-        lines += [f"## {step}", "", f"Report: [{step}.ipynb]({step}.ipynb) ([HTML](html/{step}.html))", ""]
-        if values.get("found"):
-            lines += [values["found"], ""]
-        lines += [f"![{Path(fig).stem}]({fig})" for fig in values.get("figures", [])]
+    for notebook in sorted(run_dir.glob("[0-9][0-9]_*.ipynb")):
+        step = notebook.stem
+        report = f"Report: [{notebook.name}]({notebook.name}), [HTML](html/{step}.html)"
+        lines += [f"## {step}", "", report, ""]
+        found = findings(notebook)
+        if found:
+            lines += [found, ""]
+        figures = sorted((run_dir / step).glob("*.png"))
+        lines += [f"![{fig.stem}]({fig.relative_to(run_dir)})" for fig in figures]
         lines.append("")
     lines += ["## Parameters", "", "```yaml", params.rstrip(), "```", ""]
     path = run_dir / "summary.md"

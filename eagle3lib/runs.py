@@ -31,25 +31,9 @@ DEFAULTS: dict[str, Any] = {
         "seed": 0,
         "device": "auto",  # auto | cpu | cuda
     },
-    "target": {  # the target model (00_prepare_data and every step that runs it), eagle3lib.target
-        "spec": "zoo:smollm2-135m-instruct",  # a local HF folder, a cached HF model id, or zoo:<name>
-        "dtype": "auto",  # auto (bf16 on GPUs and bf16-capable CPUs, else float32) | float32 | bfloat16
-        "aux_layer_ids": [],  # eagle3lib numbering (id i = output of decoder layer i); [] = [1, N//2-1, N-4]
-        "cache_dir": "",  # converted zoo models; "" = $EAGLE3LIB_CACHE or ~/.cache/eagle3lib/zoo
-    },
-    "data": {  # 00_prepare_data, eagle3lib.data and eagle3lib.zoo
-        "corpus": "stdlib-code",  # the run's data, in 00_prepare_data/ itself: stdlib-code | pydoc-prose
-        "source_corpus": "",  # also prepare 00_prepare_data/source/ (to train a source drafter on); "" = none
-        "num_tokens": 200000,  # tokens captured per corpus
-        "text": "raw",  # raw (documents as they are) | self-distill (chat prompts answered by the target)
-        "max_new_tokens": 128,  # self-distill: reply length
-        "prompt_chars": 600,  # self-distill: characters of a document in each prompt
-        "seq_len": 512,  # tokens per sample (longer documents are cut into windows)
-        "batch_size": 8,  # sequences per capture forward
-        "dtype": "bfloat16",  # stored hidden states: bfloat16 | float16 | float32
-        "shard_tokens": 32768,  # tokens per shard; writer and reader hold about one shard in memory
-        "heldout_fraction": 0.1,  # documents kept out of training (evaluation prompts come from them)
-        "draft_vocab_size": 32000,  # Vd of each vocab map built from the token counts (EAGLE-3 releases: 32k)
+    "stand_in": {  # 00_prepare_data: with data.source_corpus set, a source drafter trained on that corpus
+        # stands in for one made for another target; cached, and left at @00_prepare_data/source_drafter
+        "steps": 200,  # its optimizer steps (every other setting from `train`)
     },
     "probe": {  # 01_probe_drafter (and the prompts and decoding 05_evaluate shares), eagle3lib.speculate
         # the target and its dtype come from the `target` section; the drafter runs in the same dtype
@@ -70,6 +54,26 @@ DEFAULTS: dict[str, Any] = {
         # one entry per drafter: {name: ..., path: checkpoint folder}; the integrator resolves null paths
         "drafters": [{"name": "drafter", "path": None}],
         "sample_tokens": 48,  # generated tokens shown per drafter for the first prompt
+    },
+    "target": {  # the target model (00_prepare_data and every step that runs it), eagle3lib.target
+        "spec": "zoo:smollm2-135m-instruct",  # a local HF folder, a cached HF model id, or zoo:<name>
+        "dtype": "auto",  # auto (bf16 on GPUs and bf16-capable CPUs, else float32) | float32 | bfloat16
+        "aux_layer_ids": [],  # eagle3lib numbering (id i = output of decoder layer i); [] = [1, N//2-1, N-4]
+        "cache_dir": "",  # converted zoo models; "" = $EAGLE3LIB_CACHE or ~/.cache/eagle3lib/zoo
+    },
+    "data": {  # 00_prepare_data, eagle3lib.data and eagle3lib.zoo
+        "corpus": "stdlib-code",  # the run's data, in 00_prepare_data/ itself: stdlib-code | pydoc-prose
+        "source_corpus": "",  # also prepare 00_prepare_data/source/ (to train a source drafter on); "" = none
+        "num_tokens": 200000,  # tokens captured per corpus
+        "text": "raw",  # raw (documents as they are) | self-distill (chat prompts answered by the target)
+        "max_new_tokens": 128,  # self-distill: reply length
+        "prompt_chars": 600,  # self-distill: characters of a document in each prompt
+        "seq_len": 512,  # tokens per sample (longer documents are cut into windows)
+        "batch_size": 8,  # sequences per capture forward
+        "dtype": "bfloat16",  # stored hidden states: bfloat16 | float16 | float32
+        "shard_tokens": 32768,  # tokens per shard; writer and reader hold about one shard in memory
+        "heldout_fraction": 0.1,  # documents kept out of training (evaluation prompts come from them)
+        "draft_vocab_size": 32000,  # Vd of each vocab map built from the token counts (EAGLE-3 releases: 32k)
     },
     "vocab": {  # 02_diff_vocab_maps, eagle3lib.vocab
         "map_a": "",  # map file or drafter checkpoint; "" = remap.source_drafter's map
@@ -219,6 +223,23 @@ def _as_override_dicts(overrides: dict | list[str] | None) -> list[dict]:
     return [parse_override(item) for item in overrides]
 
 
+RUN_PREFIX = "@"  # "@04_finetune/scratch/drafter" = that path inside the run folder
+
+
+def resolve_run_paths(params: dict, run_dir: Path) -> dict:
+    """A copy of `params` with every string "@<path>" replaced by `<run_dir>/<path>`.
+
+    Recipes name what earlier notebooks of the same run produce this way (the source drafter from 00,
+    the arms of 04), so one recipe serves any run folder."""
+    if isinstance(params, dict):
+        return {key: resolve_run_paths(value, run_dir) for key, value in params.items()}
+    if isinstance(params, list):
+        return [resolve_run_paths(value, run_dir) for value in params]
+    if isinstance(params, str) and params.startswith(RUN_PREFIX):
+        return str(Path(run_dir) / params[len(RUN_PREFIX):])
+    return params
+
+
 class RunExistsError(FileExistsError):
     pass
 
@@ -232,7 +253,7 @@ class Run:
 
     def __init__(self, path: Path, params: dict, overwrite: bool = False):
         self.path = path
-        self.params = params
+        self.params = resolve_run_paths(params, path)
         self.overwrite = overwrite
 
     @classmethod

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -824,6 +825,54 @@ def train_arms(
     procs = Processes.start(params["run"]["device"])
     data = training_data(train, run_dir)
     return {arm: train_arm(arm, params, out, data, procs, resume=resume) for arm in train["arms"]}
+
+
+def stand_in_key(params: dict, target_fingerprint: str) -> str:
+    """What decides a stand-in source drafter's weights: the target, the source data, the schedule."""
+    data, train = params["data"], params["train"]
+    ignored = set(RESUME_FREE) | {"data", "vocab_map", "drafter", "allow_no_remap", "remap_missing", "steps"}
+    decisive = {
+        "target": target_fingerprint,
+        "seed": params["run"]["seed"],
+        "data": {key: data[key] for key in ("source_corpus", "num_tokens", "text", "max_new_tokens",
+                                             "prompt_chars", "seq_len", "dtype", "heldout_fraction",
+                                             "draft_vocab_size")},
+        "train": {key: value for key, value in train.items() if key not in ignored},
+        "steps": params["stand_in"]["steps"],
+    }
+    return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def stand_in_path(params: dict, target_fingerprint: str, cache: Path) -> Path:
+    return Path(cache) / "drafters" / f"stand-in-{stand_in_key(params, target_fingerprint)}"
+
+
+def train_stand_in(params: dict, run_dir: Path, target_fingerprint: str, cache: Path) -> Path:
+    """Train the demo's source drafter and cache it; returns the cached checkpoint folder.
+
+    It stands in for a drafter trained for another target: a scratch arm on this run's
+    `00_prepare_data/source/` data (`data.source_corpus`, with that corpus's own vocab map), with the
+    `train` settings for `stand_in.steps` steps. Reruns with the same target, data and schedule reuse it.
+    """
+    from eagle3lib.data import prepared_dir
+
+    cached = stand_in_path(params, target_fingerprint, cache)
+    if cached.exists():
+        return cached
+    stand_in = {**params, "train": {
+        **params["train"], "arms": ["scratch"], "data": str(prepared_dir(run_dir, "source")), "vocab_map": "",
+        "drafter": "", "steps": params["stand_in"]["steps"], "nproc": 1,
+    }}
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cached.parent, prefix=".stand-in-") as work:
+        result = train_arms(stand_in, Path(work) / "train", run_dir)["scratch"]
+        staged = Path(work) / "drafter"
+        shutil.copytree(result.drafter, staged)
+        runs.atomic_write_text(staged / "stand_in.json", json.dumps(
+            {"key_numbers": result.key_numbers(), "steps": result.steps, "seconds": result.seconds,
+             "source_corpus": params["data"]["source_corpus"]}, indent=2) + "\n")
+        os.replace(staged, cached)  # the cache never holds a half-written drafter
+    return cached
 
 
 def launch(params: dict, out: Path, run_dir: Path | None = None, resume: bool = False) -> None:

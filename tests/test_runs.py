@@ -118,3 +118,11 @@ def test_cli_run_refuses_a_misspelled_key_before_any_work(tmp_path, capsys, monk
     assert cli.main(["run", str(recipe)]) == 2
     assert "unknown key 'run.nmae'" in capsys.readouterr().err
     assert not (tmp_path / "outputs").exists()
+
+
+def test_run_relative_paths_resolve_into_the_run_folder(tmp_path):
+    params = runs.load_params(overrides={"run": {"name": "@not-a-path-key-but-resolved"}})
+    params["evaluate"] = {"drafters": [{"name": "a", "path": "@04_finetune/scratch/drafter"}]}
+    run = runs.Run(tmp_path, params)
+    assert run.params["evaluate"]["drafters"][0]["path"] == str(tmp_path / "04_finetune/scratch/drafter")
+    assert params["evaluate"]["drafters"][0]["path"] == "@04_finetune/scratch/drafter", "input left as it was"
