@@ -909,7 +909,9 @@ def training_data(train: dict, run_dir: str | os.PathLike | None):
         folder = prepared_dir(run_dir)
     else:
         raise DataError("train.data is empty and there is no run folder to take 00_prepare_data's data from")
-    reader = DataReader(folder)
+    # a SpecForge or speculators dump carries no target head and no aux ids: the recipe names them
+    head = resolve_path(train["target_head"]) if train["target_head"] else None
+    reader = DataReader(folder, head=head, aux_layer_ids=train["aux_layer_ids"] or None)
     map_path = resolve_path(train["vocab_map"]) if train["vocab_map"] else folder / VOCAB_MAP_FILE
     if not map_path.exists():
         raise DataError(f"{map_path}: no vocab map (run 00_prepare_data, or set train.vocab_map)")
@@ -921,7 +923,7 @@ def training_data(train: dict, run_dir: str | os.PathLike | None):
         target_hidden_size=reader.hidden_size,
         vocab_size=reader.vocab_size,
         aux_layer_ids=list(reader.aux_layer_ids),
-        target=reader.manifest["target"]["name"],
+        target=(reader.manifest.get("target") or {}).get("name") or str(folder),
     )
 
 

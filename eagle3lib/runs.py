@@ -90,6 +90,10 @@ DEFAULTS: dict[str, Any] = {
     "train": {  # 04_finetune, eagle3lib.train
         "arms": ["scratch"],  # a drafter per entry, same data and budget: scratch|drafter|drafter-no-remap
         "data": "",  # data folder; "" = the one 00_prepare_data wrote in this run
+        # SpecForge/speculators dumps only, which carry neither: the target's embed/norm/lm_head weights
+        # (a target_head.safetensors) and the layers the dump holds (eagle3lib numbering)
+        "target_head": "",
+        "aux_layer_ids": [],
         "vocab_map": "",  # the draft vocab to train for (map file or checkpoint); "" = the data folder's map
         "drafter": "",  # checkpoint the warm-start arms begin from
         "allow_no_remap": False,  # drafter-no-remap reproduces the scrambled-labels bug: refused unless true
