@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_speculate.py --drafter outputs/<run>/04_finetune/scratch/drafter
     .venv/bin/python bench/bench_speculate.py --steps 1,3,5 --prompts 8 --max-new-tokens 64 --dtype float32
+    .venv/bin/python bench/bench_speculate.py --topk 4 --num-draft-tokens 8    # trees instead of chains
 
 For each draft depth K: τ, the acceptance at each draft position, tokens/s with and without the drafter on
 the same held-out prompts, the measured speedup, the ideal speedup that τ and the measured draft/verify
@@ -45,6 +46,8 @@ def main() -> None:
     parser.add_argument("--drafter", help="drafter checkpoint folder (default: the newest trained one)")
     parser.add_argument("--target", default=TARGET)
     parser.add_argument("--steps", default="1,3,5", help="comma-separated draft depths K")
+    parser.add_argument("--topk", type=int, default=1, help="1: chain drafting; > 1: tree drafting")
+    parser.add_argument("--num-draft-tokens", type=int, default=None, help="tree budget (default: full tree)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--corpus", default="stdlib-code", help="held-out prompts: stdlib-code | pydoc-prose")
@@ -61,7 +64,7 @@ def main() -> None:
     print(f"{target.name} ({target.dtype}, {args.threads} threads), drafter {drafter_path}")
     lengths = [len(p) for p in prompts]
     print(f"{len(prompts)} held-out {args.corpus} prompts of {min(lengths)}-{max(lengths)} tokens, "
-          f"{args.max_new_tokens} new tokens each, greedy chain drafting "
+          f"{args.max_new_tokens} new tokens each, greedy {'chain' if args.topk == 1 else 'tree'} drafting "
           f"(loaded in {time.perf_counter() - start:.1f} s)\n")
     header = (f"{'K':>2} {'τ':>5}  {'accept by position':<26} {'tok/s':>6} {'target':>7} {'speedup':>8} "
               f"{'ideal':>6} {'effic.':>6} {'draft ms':>9} {'verify ms':>9} {'target ms':>9} {'same':>5}")
@@ -69,8 +72,8 @@ def main() -> None:
     print("-" * len(header))
     for steps in (int(k) for k in args.steps.split(",")):
         drafter, _ = load_drafter(drafter_path, dtype=target.dtype)
-        m = speculate.probe(target.model, drafter, prompts, speculate.DraftSettings(steps=steps),
-                            args.max_new_tokens).metrics
+        settings = speculate.DraftSettings(steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens)
+        m = speculate.probe(target.model, drafter, prompts, settings, args.max_new_tokens).metrics
         per_position = " ".join(f"{r:.2f}" for r in m["acceptance_per_position"])
         print(f"{steps:>2} {m['tau']:5.2f}  {per_position:<26} {m['tokens_per_s']:6.1f} "
               f"{m['target_tokens_per_s']:7.1f} {m['speedup']:7.2f}x {m['ideal_speedup']:5.2f}x "

@@ -51,6 +51,8 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--corpus", default="stdlib-code")
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                        help="prompts in the target's chat template (--no-chat: raw document openings)")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32 (both engines)")
     parser.add_argument("--tolerance", type=float, default=0.05, help="largest allowed relative τ difference")
     parser.add_argument("--as-saved", action="store_true", help="serve an SGLang-layout folder unconverted")
@@ -59,7 +61,7 @@ def main() -> int:
 
     target = Target.load(args.target, dtype=args.dtype, device="cpu")
     drafter = Path(args.drafter) if args.drafter else newest_drafter(target.vocab_size)
-    prompts = engines.probe_prompts(target.tokenizer, args.corpus, args.prompts, 600, chat=True)
+    prompts = engines.probe_prompts(target.tokenizer, args.corpus, args.prompts, 600, chat=args.chat)
     settings = speculate.DraftSettings(steps=args.steps)
     print(f"target {args.target} ({args.dtype}), drafter {drafter}, {len(prompts)} {args.corpus} prompts, "
           f"{args.max_new_tokens} tokens each, greedy chain K={args.steps}", flush=True)
