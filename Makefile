@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: setup demo test lint check-notebooks lab vllm-setup vllm-check
+.PHONY: setup demo test lint check-notebooks lab vllm-setup vllm-check bench-venv bench
 
 setup: $(STAMP)
 
@@ -55,3 +55,26 @@ $(VLLM_STAMP):
 # the built-in engine on the same prompts; fails when the two τ differ by more than 5 %.
 vllm-check: setup vllm-setup
 	$(PY) bench/vllm_check.py $(VLLM_CHECK_ARGS)
+
+# Benchmarks: each script prints its figures (bench/RESULTS.md keeps the latest). The training-step
+# comparison with speculators runs in its own venv: speculators 0.9.0 is not a dependency of eagle3lib.
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.setup-done
+
+bench-venv: $(BENCH_STAMP)
+
+$(BENCH_STAMP): pyproject.toml
+	test -x $(BENCH_VENV)/bin/python || python3 -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q 'speculators==0.9.0' 'torch==2.13.0' 'transformers<=5.19'
+	# CUDA builds pulled in as dependencies; they break imports on this CPU
+	$(BENCH_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(BENCH_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(BENCH_STAMP)
+
+bench: setup bench-venv
+	$(PY) bench/memory_plan.py
+	$(PY) bench/bench_remap.py
+	$(PY) bench/bench_train.py
+	$(PY) bench/bench_capture.py
+	$(PY) bench/bench_speculate.py
+	$(BENCH_VENV)/bin/python bench/bench_vs_speculators.py
