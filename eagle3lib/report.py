@@ -42,11 +42,12 @@ def key_numbers(metrics: dict) -> list[str]:
                      f"τ {_fmt(probe['tau'])}.")
     arms = metrics.get("04_finetune", {}).get("arms", {})
     if arms:
-        lines += ["", "| fine-tuning arm | loss_0 at step 0 | acc_0 at step 0 | loss_0 at end | acc_0 at end "
-                  "| predicted τ |", "|---|---|---|---|---|---|"]
+        lines += ["", "| fine-tuning arm | loss_0 at step 0 | acc_0 at step 0 | step-0 check | loss_0 at end "
+                  "| acc_0 at end | predicted τ |", "|---|---|---|---|---|---|---|"]
         for name, arm in arms.items():
+            check = {True: "passed", False: "FAILED"}.get(arm.get("check_passed"), "–")
             lines.append(
-                f"| {name} | {_fmt(arm['initial_loss'])} | {_fmt(arm['initial_acc_0'])} | "
+                f"| {name} | {_fmt(arm['initial_loss'])} | {_fmt(arm['initial_acc_0'])} | {check} | "
                 f"{_fmt(arm['final_loss'])} | {_fmt(arm['final_acc_0'])} | {_fmt(arm['predicted_tau'])} |"
             )
     evaluate = metrics.get("05_evaluate", {})

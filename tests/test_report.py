@@ -24,7 +24,7 @@ def test_summary_holds_metrics_findings_figures_and_times(tmp_path):
                                              "first_divergence": 5, "intersection": 808, "only_in_a": 1240,
                                              "only_in_b": 1240})
     arm = {"initial_loss": 3.5, "initial_acc_0": 0.4, "final_loss": 2.0, "final_acc_0": 0.6,
-           "predicted_tau": 1.9}
+           "predicted_tau": 1.9, "check_passed": True}
     run.write_metrics("04_finetune", {"arms": {"drafter": arm}})
     run.write_metrics("05_evaluate", {"backend": "builtin", "steps": 3,
                                       "drafters": {"fine-tuned with remap": {"tau": 2.25, "speedup": 1.4}}})
@@ -35,7 +35,7 @@ def test_summary_holds_metrics_findings_figures_and_times(tmp_path):
 
     text = report.write_summary(tmp_path).read_text()
     assert "22 of 2,048 draft positions agree (first divergence at 5)" in text
-    assert "| drafter | 3.500 | 0.400 | 2.000 | 0.600 | 1.900 |" in text
+    assert "| drafter | 3.500 | 0.400 | passed | 2.000 | 0.600 | 1.900 |" in text
     assert "| fine-tuned with remap | 2.250 | 1.400 |" in text
     assert "22 of 2,048 positions agree." in text  # the executed notebook's own words
     assert "![coverage](02_diff_vocab_maps/coverage.png)" in text
