@@ -72,7 +72,8 @@ def data_folder(tmp_path_factory) -> dict:
 
 
 def synthetic_data(folders: dict) -> train.TrainingData:
-    return data.training_data({"data": folders["data"], "vocab_map": folders["vocab_map"]}, None)
+    train = {**runs.DEFAULTS["train"], "data": folders["data"], "vocab_map": folders["vocab_map"]}
+    return data.training_data(train, None)
 
 
 def tiny_params(folders: dict, **train_overrides) -> dict:
