@@ -9,13 +9,16 @@ from eagle3lib.vocab import VocabMap
 from tests.notebook_harness import run_notebook
 
 
-def test_prepare_data_notebook(tmp_path):
-    metrics = run_notebook("00_prepare_data", tmp_path)
+def test_prepare_data_notebook(tmp_path, monkeypatch):
+    # a fresh cache: a stand-in source drafter cached by an earlier run would skip the source capture
+    monkeypatch.setenv("EAGLE3LIB_CACHE", str(tmp_path / "cache"))
+    run_dir = tmp_path / "run"
+    metrics = run_notebook("00_prepare_data", run_dir)
     params = runs.load_params("params/smoke.yaml")
-    step = tmp_path / "00_prepare_data"
+    step = run_dir / "00_prepare_data"
     assert metrics["target"] == "zoo:tiny-llama" and metrics["aux_layer_ids"] == [1, 3, 4]
     for which, corpus in (("main", "stdlib-code"), ("source", "pydoc-prose")):
-        folder = data.prepared_dir(tmp_path, which)
+        folder = data.prepared_dir(run_dir, which)
         found = metrics[which]
         assert found["corpus"] == corpus and found["folder"] == str(folder)
         assert found["tokens"] >= params["data"]["num_tokens"]
@@ -29,4 +32,6 @@ def test_prepare_data_notebook(tmp_path):
     # the main data is the step folder itself: the map and counts other notebooks look for are at its top
     assert (step / "vocab_map.safetensors").is_file() and (step / "token_counts.safetensors").is_file()
     assert (step / "token_frequency.png").is_file() and (step / "top_tokens_coverage.png").is_file()
-    assert (tmp_path / "00_prepare_data.ipynb").is_file()
+    assert (run_dir / "00_prepare_data.ipynb").is_file()
+    assert metrics["stand_in"]["steps"] == params["stand_in"]["steps"]
+    assert (step / "source_drafter" / "model.safetensors").is_file()
