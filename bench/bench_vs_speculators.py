@@ -1,7 +1,7 @@
 """One TTT training step: eagle3lib's trainer against speculators' Eagle3DraftModel, same drafter, same data.
 
     make bench-venv
-    .venv-bench/bin/python bench/bench_vs_speculators.py [--repeats 7] [--attn eager|sdpa] [--profile]
+    .venv-bench/bin/python bench/bench_vs_speculators.py [--threads 1] [--attn eager|sdpa] [--profile]
 
 Runs in `.venv-bench` (speculators 0.9.0 is not a dependency of eagle3lib). eagle3lib's trainer builds a
 random SmolLM2-sized drafter (scratch arm: H 576, 9/3 heads x 64, intermediate 1536, Vt 49,152, Vd 4,096);
