@@ -110,7 +110,8 @@ def main() -> None:
     input_ids, aux = drafter_rows(batch["input_ids"], batch["aux_hidden_states"])
     times, start = [], time.perf_counter()
     with torch.no_grad(), trainer.autocast():
-        for logits, _ in trainer.drafter.unroll_steps(input_ids, aux, args.ttt_steps):
+        for layer_out in trainer.drafter.unroll_steps(input_ids, aux, args.ttt_steps):
+            logits = trainer.drafter.compute_logits(layer_out)
             ttt_sums([logits], targets, trainer.objective.draft_ids)  # step 0's alignment: only cost counts
             if procs.device.type == "cuda":
                 torch.cuda.synchronize()

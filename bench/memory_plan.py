@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from eagle3lib import runs, train
+from eagle3lib import model, runs, train
 from eagle3lib.config import default_aux_layer_ids
 from eagle3lib.loss import Targets, verifier_draft_logits, weighted_loss
 from eagle3lib.vocab import VocabMap
@@ -42,10 +42,9 @@ GIB = 2**30
 FORWARD_CATEGORIES = ("draft logits", "attention scores", "MLP activations", "hidden-sized activations",
                       "bf16 weight copies (autocast)")
 KNOBS = {
-    "attention scores": "TTTCache.attend materialises [B, heads, T, T] float32 scores and weights at every "
-    "TTT step k >= 1. A fused attention for the step-0 prefix that returns its log-sum-exp (flash/SDPA, or "
-    "flex attention), merged with the k diagonal terms, keeps O(T) per head instead; until then "
-    "train.seq_len (quadratic) and train.micro_batch_size shrink it",
+    "attention scores": "TTT steps k >= 1 keep O(T) per head (PrefixAndDiagonalsAttention: the step-0 prefix "
+    "attention returns its log-sum-exp, the diagonals merge into it); off the CPU the prefix runs in blocks "
+    "of query rows (ChunkedCausalAttention.score_elements per block, transient)",
     "draft logits": "logit-sized [B, T, Vd] float32 tensors kept for backward at every TTT step: compute "
     "lm_head + log-softmax + loss in row chunks and recompute them in backward (a chunked/fused loss), or "
     "fewer train.ttt_steps",
@@ -63,11 +62,8 @@ KNOBS = {
     "AdamW state": "two float32 moments per trainable weight: shard across data-parallel ranks (ZeRO-1), or "
     "an 8-bit/bf16-state optimizer; train.train_lm_head=false removes lm_head's share",
     "trainable weights (fp32)": "fp32 master weights: shard them (FSDP) or freeze lm_head",
-    "target head held with the data": "TrainingData.head keeps the target's embed_tokens and full lm_head "
-    "[Vt, Ht] for the whole run, though training needs only the embedding and the draft rows: drop the rest "
-    "once the draft head is taken",
-    "drafter's embedding copy": "init_drafter attaches embed_tokens.float(), a float32 copy of the target's "
-    "[Vt, H] embedding beside the one the data holds: attach it in its stored dtype (it is frozen)",
+    "target embedding (frozen)": "the drafter's lookup table, the target's [Vt, H] embedding in the data's "
+    "dtype: keep the data in bf16, or look the rows up on the host and send only the batch's rows",
 }
 
 
@@ -187,7 +183,7 @@ def trace_steps(trainer: train.Trainer, head: dict, batch: dict, args: argparse.
         shape = tuple(tensor.shape)
         if shape and shape[-1] == args.vd:
             return "draft logits"
-        if tensor.dim() == 4 and shape[-2] == rows and shape[-1] >= rows:
+        if tensor.dim() >= 4 and shape[-1] != args.head_dim:  # [.., queries, keys]; q/k/v end in head_dim
             return "attention scores"
         if shape in weight_shapes:
             return "bf16 weight copies (autocast)"
@@ -235,8 +231,7 @@ def report(trainer: train.Trainer, head: dict, batch: dict, tracker: StorageTrac
     held = {
         "trainable weights (fp32)": unique_bytes(trainable),
         "frozen drafter weights": unique_bytes(p for p in drafter.parameters() if not p.requires_grad),
-        "drafter's embedding copy": unique_bytes([drafter.target_embedding]),
-        "target head held with the data": unique_bytes(head.values()),
+        "target embedding (frozen)": unique_bytes([drafter.target_embedding]),
         "trainer's draft head (fp32)": unique_bytes([trainer.draft_head]),
         "batch": unique_bytes(batch.values()),
     }
@@ -252,7 +247,9 @@ def report(trainer: train.Trainer, head: dict, batch: dict, tracker: StorageTrac
     print("held for the whole run (before the step)")
     for name, size in held.items():
         print(f"  {name:<44} {size / GIB:8.2f} GiB")
-    print(f"  {'total':<44} {persistent / GIB:8.2f} GiB\n")
+    print(f"  {'total':<44} {persistent / GIB:8.2f} GiB")
+    print(f"  (host RAM, not counted: the data's target head, {unique_bytes(head.values()) / GIB:.2f} GiB, "
+          "stays on the host; the Trainer copies only the embedding and the draft rows to the device)\n")
     print("created by one optimizer step")
     print(f"  {'verifier logits (probs over Vd, fp32)':<44} {probs_bytes / GIB:8.2f} GiB "
           f"[{B}, {T}, {args.vd}] kept through backward")
@@ -275,8 +272,8 @@ def report(trainer: train.Trainer, head: dict, batch: dict, tracker: StorageTrac
     weights = held["trainable weights (fp32)"]
     activations = sum(at_peak.get(name, 0) for name in FORWARD_CATEGORIES)
     print(f"\nin the issue's terms, at the peak: weights {weights / GIB:.2f} GiB trainable + "
-          f"{(persistent - weights) / GIB:.2f} GiB frozen or held (embedding copies, the data's head, the "
-          f"draft head, the batch); optimizer state {adam / GIB:.2f} GiB (+ gradients "
+          f"{(persistent - weights) / GIB:.2f} GiB frozen or held (the target embedding, the draft head, the "
+          f"batch); optimizer state {adam / GIB:.2f} GiB (+ gradients "
           f"{at_peak.get('gradients and backward temporaries', 0) / GIB:.2f} GiB with backward temporaries); "
           f"activations {activations / GIB:.2f} GiB; verifier logits {probs_bytes / GIB:.2f} GiB")
     largest = max(terms, key=terms.get)
@@ -298,9 +295,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="train.dtype (autocast)")
     parser.add_argument("--data-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--train-lm-head", choices=["true", "false"], help="default: the params' default")
+    parser.add_argument("--attention", default="blocks", choices=["blocks", "fused"],
+                        help="the TTT prefix attention: in blocks of query rows (what a GPU run takes) or "
+                        "the fused CPU kernel")
     args = parser.parse_args()
     if args.train_lm_head is not None:
         args.train_lm_head = args.train_lm_head == "true"
+    if args.attention == "blocks":  # fake tensors are CPU tensors; a GPU run takes the blocked path
+        model.causal_attention_with_lse = model.ChunkedCausalAttention.forward
+        model.causal_attention_backward = model.ChunkedCausalAttention.backward
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     trainer, head, batch = build_trainer(args, fake)
     with fake:

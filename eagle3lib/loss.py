@@ -95,29 +95,31 @@ class StepSums:
 
 
 def ttt_sums(step_logits: Iterable[Tensor], targets: Targets, draft_ids: Tensor) -> StepSums:
-    """Sums for the logits [B, R, Vd] of TTT steps 0, 1, .. (e.g. `Eagle3Drafter.unroll_steps`, or a
-    [K, B, R, Vd] tensor) against the batch's `targets` (T = R + 1 positions).
+    """Sums for the logits of TTT steps 0, 1, .. against the batch's `targets` (T = R + 1 positions).
 
-    `draft_ids` [Vd] maps draft positions to target ids (the training map's `draft_ids`).
+    Step k's logits are [B, R, Vd] (e.g. `Eagle3Drafter.unroll`, or a [K, B, R, Vd] tensor), or only the
+    rows it is graded on, [B, R-k, Vd]: rows t = 0..R-1-k have a verifier position p = t+1+k inside the
+    sample. `draft_ids` [Vd] maps draft positions to target ids (the training map's `draft_ids`).
     """
     rows_per_sample = targets.probs.shape[1] - 1
     ce, ce_rows, rows, correct, full_correct = [], [], [], [], []
     survived = None
     for k, logits in enumerate(step_logits):
-        if logits.shape[:2] != targets.argmax.shape[:1] + (rows_per_sample,):
+        graded = rows_per_sample - k
+        if logits.shape[0] != targets.argmax.shape[0] or logits.shape[1] not in (rows_per_sample, graded):
             raise ValueError(
                 f"step {k} logits have shape {list(logits.shape)}; the targets hold "
-                f"{list(targets.argmax.shape)} positions, so expected [B, {rows_per_sample}, Vd]"
+                f"{list(targets.argmax.shape)} positions, so expected [B, {rows_per_sample}, Vd] or the "
+                f"graded rows [B, {graded}, Vd]"
             )
-        # rows t = 0..R-1-k have a verifier position p = t+1+k inside the sample
-        logits = logits[:, : rows_per_sample - k].float()
+        logits = logits[:, :graded].float() if logits.shape[1] != graded else logits.float()
         probs = targets.probs[:, 1 + k :]
         counted = targets.counted[:, 1 + k :]
         in_ce = counted & targets.in_draft[:, 1 + k :]
         row_ce = -(probs * F.log_softmax(logits, dim=-1)).sum(-1)
         ce.append((row_ce * in_ce).sum())
         hit = draft_ids[logits.argmax(-1)] == targets.argmax[:, 1 + k :]
-        survived = hit if survived is None else survived[:, : rows_per_sample - k] & hit
+        survived = hit if survived is None else survived[:, :graded] & hit
         ce_rows.append(in_ce.sum())
         rows.append(counted.sum())
         correct.append((hit & counted).sum())

@@ -141,11 +141,156 @@ class DraftCache:
         )
 
 
+def accumulation_dtype(x: torch.Tensor) -> torch.dtype:
+    """Softmax statistics and sums are kept in float32 (float64 inputs stay float64)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def causal_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of q [B, Hq, T, D] over k, v [B, Hkv, T, D] (grouped query) and its log-sum-exp
+    [B, Hq, T] in float32, which is what lets more keys be merged in afterwards exactly."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)
+    return ChunkedCausalAttention.forward(q, k, v)
+
+
+def causal_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (q, k, v) of causal attention, given the output and log-sum-exp of the softmax it is part of:
+    with a merged output and log-sum-exp, these are the prefix's share of the merged attention's gradients."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, True
+        )
+    return ChunkedCausalAttention.backward(grad_out, q, k, v, out, lse)
+
+
+class ChunkedCausalAttention:
+    """`causal_attention_with_lse` and its backward in plain torch, in blocks of query rows: a block of
+    scores holds at most `score_elements` (and at least one row), never [B, Hq, T, T]. Used off the CPU,
+    where the fused kernel above is not exposed with its log-sum-exp."""
+
+    score_elements = 2**26  # 256 MiB of float32 scores per block
+
+    @classmethod
+    def blocks(cls, q: torch.Tensor) -> Iterator[tuple[int, int]]:
+        B, heads, T, _ = q.shape
+        rows = max(1, cls.score_elements // (B * heads * T))
+        for start in range(0, T, rows):
+            yield start, min(start + rows, T)
+
+    @staticmethod
+    def scores(q: torch.Tensor, k: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Float32 scores [B, Hkv, G, end-start, end] of queries start..end-1 over keys 0..end-1, causal."""
+        scale, wide = q.shape[-1] ** -0.5, accumulation_dtype(q)
+        rows = q[:, :, start:end].unflatten(1, (k.shape[1], -1)).to(wide)
+        scores = rows @ k[:, :, None, :end].to(wide).transpose(-1, -2) * scale
+        causal = torch.ones(end - start, end, dtype=torch.bool, device=q.device).tril(start)
+        return scores.masked_fill(~causal, float("-inf"))
+
+    @classmethod
+    def forward(cls, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        wide = accumulation_dtype(q)
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=wide)
+        for start, end in cls.blocks(q):
+            scores = cls.scores(q, k, start, end)
+            chunk_lse = scores.logsumexp(-1)
+            weights = (scores - chunk_lse[..., None]).exp()
+            out[:, :, start:end] = (weights @ v[:, :, None, :end].to(wide)).flatten(1, 2).to(q.dtype)
+            lse[:, :, start:end] = chunk_lse.flatten(1, 2)
+        return out, lse
+
+    @classmethod
+    def backward(cls, grad_out, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scale, wide, groups = q.shape[-1] ** -0.5, accumulation_dtype(q), (k.shape[1], -1)
+        grad_q = torch.empty_like(q)
+        grad_k, grad_v = torch.zeros_like(k, dtype=wide), torch.zeros_like(v, dtype=wide)
+        delta = (grad_out.to(wide) * out.to(wide)).sum(-1)  # [B, Hq, T]
+        for start, end in cls.blocks(q):
+            rows = slice(start, end)
+            weights = (cls.scores(q, k, start, end) - lse[:, :, rows].unflatten(1, groups)[..., None]).exp()
+            grad_rows = grad_out[:, :, rows].unflatten(1, groups).to(wide)
+            grad_v[:, :, :end] += (weights.transpose(-1, -2) @ grad_rows).sum(2)
+            grad_weights = grad_rows @ v[:, :, None, :end].to(wide).transpose(-1, -2)
+            grad_scores = weights * (grad_weights - delta[:, :, rows].unflatten(1, groups)[..., None]) * scale
+            grad_q[:, :, rows] = (grad_scores @ k[:, :, None, :end].to(wide)).flatten(1, 2).to(q.dtype)
+            query_rows = q[:, :, rows].unflatten(1, groups).to(wide)
+            grad_k[:, :, :end] += (grad_scores.transpose(-1, -2) @ query_rows).sum(2)
+        return grad_q, grad_k.to(k.dtype), grad_v.to(v.dtype)
+
+
+def diagonal_scores(rows: torch.Tensor, keys: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Float32 scores [n, B, Hkv, G, T] of query row j (rows [B, Hkv, G, T, D]) with row j of each key."""
+    scale = rows.shape[-1] ** -0.5
+    return torch.stack([(rows * key[:, :, None].to(rows.dtype)).sum(-1) * scale for key in keys])
+
+
+class PrefixAndDiagonalsAttention(torch.autograd.Function):
+    """TTT step n >= 1: row j attends to the step-0 keys 0..j (causal) and to row j of steps 1..n.
+
+    Exact, with O(T) memory per head: the fused causal attention over the step-0 prefix returns its
+    log-sum-exp L_p, and the n diagonal scores s_i = q_j . k_ij / sqrt(D) merge into it:
+        L = log(e^L_p + sum_i e^s_i),   out = e^(L_p - L) out_p + sum_i e^(s_i - L) v_ij.
+    The prefix's gradients are the fused kernel's backward run with the merged out and L (its softmax is a
+    slice of the merged one); the diagonals' are elementwise. Nothing [T, T]-sized is kept for backward.
+    """
+
+    @staticmethod
+    def forward(ctx, q, prefix_keys, prefix_values, *diagonals):
+        keys, values = diagonals[: len(diagonals) // 2], diagonals[len(diagonals) // 2 :]
+        wide = accumulation_dtype(q)
+        with torch.autocast(q.device.type, enabled=False):
+            prefix_out, prefix_lse = causal_attention_with_lse(q, prefix_keys, prefix_values)
+            groups = (prefix_keys.shape[1], -1)
+            rows = q.unflatten(1, groups).to(wide)  # [B, Hkv, G, T, D]
+            scores = diagonal_scores(rows, keys)  # [n, B, Hkv, G, T]
+            lse = torch.logaddexp(prefix_lse.unflatten(1, groups), scores.logsumexp(0))
+            out = (prefix_lse.unflatten(1, groups) - lse).exp()[..., None] * prefix_out.unflatten(1, groups)
+            for score, value in zip((scores - lse).exp(), values, strict=True):
+                out = out + score[..., None] * value[:, :, None].to(wide)
+            out, lse = out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
+        ctx.save_for_backward(q, prefix_keys, prefix_values, out, lse, *diagonals)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, prefix_keys, prefix_values, out, lse, *diagonals = ctx.saved_tensors
+        keys, values = diagonals[: len(diagonals) // 2], diagonals[len(diagonals) // 2 :]
+        wide = accumulation_dtype(q)
+        with torch.autocast(q.device.type, enabled=False):
+            grad_q, grad_prefix_keys, grad_prefix_values = causal_attention_backward(
+                grad_out.contiguous(), q, prefix_keys, prefix_values, out, lse
+            )
+            groups = (prefix_keys.shape[1], -1)
+            scale = q.shape[-1] ** -0.5
+            rows, grad_rows = q.unflatten(1, groups).to(wide), grad_out.unflatten(1, groups).to(wide)
+            delta = (grad_rows * out.unflatten(1, groups).to(wide)).sum(-1)  # [B, Hkv, G, T]
+            weights = (diagonal_scores(rows, keys) - lse.unflatten(1, groups)).exp()
+            grad_rows_q = grad_q.unflatten(1, groups).to(wide)
+            grad_keys, grad_values = [], []
+            for weight, key, value in zip(weights, keys, values, strict=True):
+                grad_values.append((weight[..., None] * grad_rows).sum(2).to(value.dtype))
+                grad_score = weight * ((grad_rows * value[:, :, None].to(wide)).sum(-1) - delta) * scale
+                grad_rows_q = grad_rows_q + grad_score[..., None] * key[:, :, None].to(wide)
+                grad_keys.append((grad_score[..., None] * rows).sum(2).to(key.dtype))
+        grad_q = grad_rows_q.flatten(1, 2).to(q.dtype)
+        return grad_q, grad_prefix_keys, grad_prefix_values, *grad_keys, *grad_values
+
+
 class TTTCache:
     """Keys and values of a train-time-test unroll (teacher-forced, as speculators and SpecForge train).
 
-    Step 0 attends causally over its own rows. At step k >= 1, row j sees the step-0 rows 0..j plus row j of
-    every step 1..k (one diagonal per step), computed without materialising the full [T, (k+1)T] mask.
+    Step 0 attends causally over its own rows. At step n >= 1, row j sees the step-0 rows 0..j plus row j of
+    every step 1..n (one diagonal per step): `PrefixAndDiagonalsAttention`, which never forms the
+    [T, (n+1)T] mask nor [T, T] scores.
     """
 
     def __init__(self) -> None:
@@ -157,24 +302,16 @@ class TTTCache:
     ) -> torch.Tensor:
         if attention_mask is not None:
             raise ValueError("a train-time-test unroll has its own attention pattern; it takes no mask")
+        device = q.device.type
+        if torch.is_autocast_enabled(device):  # in the autocast dtype, as autocast runs SDPA
+            q, k, v = (x.to(torch.get_autocast_dtype(device)) for x in (q, k, v))
         self.keys.append(k)
         self.values.append(v)
         if len(self.keys) == 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        groups = q.shape[1] // k.shape[1]
-        keys = [key.repeat_interleave(groups, dim=1) for key in self.keys]
-        values = [value.repeat_interleave(groups, dim=1) for value in self.values]
-        scale = q.shape[-1] ** -0.5
-        T = q.shape[2]
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        prefix_scores = (q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))
-        diagonal_scores = torch.stack([(q * key).sum(-1) * scale for key in keys[1:]], dim=-1)
-        weights = torch.cat([prefix_scores, diagonal_scores], dim=-1).softmax(-1, dtype=torch.float32)
-        weights = weights.to(q.dtype)
-        out = weights[..., :T] @ values[0]
-        for i, value in enumerate(values[1:]):
-            out = out + weights[..., T + i, None] * value
-        return out
+        return PrefixAndDiagonalsAttention.apply(
+            q, self.keys[0], self.values[0], *self.keys[1:], *self.values[1:]
+        )
 
 
 class Eagle3Attention(nn.Module):
@@ -377,12 +514,13 @@ class Eagle3Drafter(nn.Module):
         aux_hidden_states: torch.Tensor,
         steps: int,
         position_ids: torch.Tensor | None = None,
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Yield (logits [B, T, Vd], layer_out [B, T, H]) for TTT steps 0..steps-1, teacher-forced.
+    ) -> Iterator[torch.Tensor]:
+        """Yield the pre-norm output [B, T, H] of TTT steps 0..steps-1, teacher-forced.
 
         Step k embeds the ground truth shifted by k more (0 past the end), at positions advanced by k, with
-        the previous step's pre-norm output as the hidden state. One step at a time, so a trainer can take
-        each step's loss without holding every step's logits.
+        the previous step's pre-norm output as the hidden state. One step at a time, and without logits: a
+        trainer applies `compute_logits` to the rows it grades (at step k, the last k rows have no target)
+        and takes each step's loss without holding every step's logits.
         """
         if position_ids is None:
             position_ids = self.default_position_ids(input_ids)
@@ -391,7 +529,7 @@ class Eagle3Drafter(nn.Module):
         for k in range(steps):
             tokens = F.pad(input_ids[:, k:], (0, min(k, input_ids.shape[1])), value=0)
             hidden = self.layer(tokens, hidden, position_ids + k, cache)
-            yield self.compute_logits(hidden), hidden
+            yield hidden
 
     def unroll(
         self,
@@ -401,10 +539,8 @@ class Eagle3Drafter(nn.Module):
         position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Train-time test: (logits [K, B, T, Vd], layer_outs [K, B, T, H]) for K = `steps`."""
-        logits, layer_outs = zip(
-            *self.unroll_steps(input_ids, aux_hidden_states, steps, position_ids), strict=True
-        )
-        return torch.stack(logits), torch.stack(layer_outs)
+        layer_outs = list(self.unroll_steps(input_ids, aux_hidden_states, steps, position_ids))
+        return torch.stack([self.compute_logits(out) for out in layer_outs]), torch.stack(layer_outs)
 
     # ---------------------------------------------------------------- incremental decoding
 

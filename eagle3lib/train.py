@@ -205,7 +205,11 @@ class TTTObjective(nn.Module):
 
     def forward(self, batch: dict, targets: Targets) -> StepSums:
         input_ids, aux = drafter_rows(batch["input_ids"], batch["aux_hidden_states"])
-        step_logits = (logits for logits, _ in self.drafter.unroll_steps(input_ids, aux, self.steps))
+        rows = input_ids.shape[1]
+        step_logits = (  # row t of step k has a target only for t < rows - k
+            self.drafter.compute_logits(layer_out[:, : rows - k])
+            for k, layer_out in enumerate(self.drafter.unroll_steps(input_ids, aux, self.steps))
+        )
         return ttt_sums(step_logits, targets, self.draft_ids)
 
 
@@ -374,9 +378,10 @@ def init_drafter(arm: str, train: dict, data: TrainingData, seed: int) -> tuple[
     else:
         raise TrainingError(f"unknown arm {arm!r}; expected one of {', '.join(ARMS)}")
     carried = "; the checkpoint's own copy is set aside" if hasattr(drafter, "embed_tokens") else ""
-    drafter.attach_embedding(data.head["embed_tokens.weight"].float())
+    drafter = drafter.float()
+    drafter.attach_embedding(data.head["embed_tokens.weight"])  # frozen: no float32 copy of [Vt, H]
     report += f"\nembedding: the target's (target_head.safetensors), frozen{carried}"
-    return drafter.float(), report
+    return drafter, report
 
 
 def _describe_config(c: DrafterConfig) -> str:

@@ -168,8 +168,9 @@ def test_unroll_steps_yields_the_same_as_unroll():
     input_ids, aux = torch.randint(0, 64, (2, 6)), torch.randn(2, 6, 120)
     with torch.no_grad():
         logits, outs = drafter.unroll(input_ids, aux, steps=4)
-        for k, (step_logits, step_out) in enumerate(drafter.unroll_steps(input_ids, aux, steps=4)):
-            assert torch.equal(step_logits, logits[k]) and torch.equal(step_out, outs[k])
+        for k, step_out in enumerate(drafter.unroll_steps(input_ids, aux, steps=4)):
+            assert torch.equal(step_out, outs[k])
+            assert torch.equal(drafter.compute_logits(step_out), logits[k])
         assert torch.equal(logits[0], drafter(input_ids, aux))
 
 
@@ -335,3 +336,94 @@ def test_scaled_rope_matches_transformers():
     torch.testing.assert_close(sin, hf_sin)
     plain = Eagle3Drafter(tiny_config(rope_theta=500000.0)).rotary_emb(positions, torch.float32)[0]
     assert (plain - cos).abs().max() > 1e-3
+
+
+# ----------------------------------------------------------------------------- TTT attention
+
+
+def masked_reference_attention(q, prefix_keys, prefix_values, keys, values):
+    """The TTT step-n attention the plain way: every key of steps 0..n, a causal + diagonal mask, softmax."""
+    groups = q.shape[1] // prefix_keys.shape[1]
+    T = q.shape[2]
+    all_keys = torch.cat([prefix_keys, *keys], 2).repeat_interleave(groups, 1)
+    all_values = torch.cat([prefix_values, *values], 2).repeat_interleave(groups, 1)
+    mask = torch.cat([torch.ones(T, T).tril(), *[torch.eye(T)] * len(keys)], 1).bool()
+    scores = (q @ all_keys.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ all_values
+
+
+def ttt_attention_inputs(steps: int, T: int = 7, dtype=torch.float64):
+    generator = torch.Generator().manual_seed(steps)
+    q = torch.randn(2, 6, T, 4, generator=generator, dtype=dtype)
+    kv = [torch.randn(2, 2, T, 4, generator=generator, dtype=dtype) for _ in range(2 * steps)]
+    return [q, *kv[:steps], *kv[steps:]]  # q, keys of steps 0..n-1, values of steps 0..n-1
+
+
+@pytest.mark.parametrize("steps", [2, 4])
+def test_prefix_and_diagonals_attention_is_exact_with_exact_gradients(steps):
+    from eagle3lib.model import PrefixAndDiagonalsAttention
+
+    q, *kv = [t.requires_grad_() for t in ttt_attention_inputs(steps)]
+    keys, values = kv[:steps], kv[steps:]
+    out = PrefixAndDiagonalsAttention.apply(q, keys[0], values[0], *keys[1:], *values[1:])
+    reference = masked_reference_attention(q, keys[0], values[0], keys[1:], values[1:])
+    torch.testing.assert_close(out, reference, atol=1e-12, rtol=0)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [q, *kv], grad_out)
+    reference_grads = torch.autograd.grad(reference, [q, *kv], grad_out)
+    for i, (grad, expected) in enumerate(zip(grads, reference_grads, strict=True)):
+        torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0, msg=f"gradient of input {i}")
+    assert torch.autograd.gradcheck(
+        lambda q, k0, v0, *rest: PrefixAndDiagonalsAttention.apply(q, k0, v0, *rest),
+        [q, keys[0], values[0], *keys[1:], *values[1:]],
+    )
+
+
+@pytest.mark.parametrize("score_elements", [300, 2**26])  # blocks of 3 query rows, or all 8 at once
+def test_chunked_causal_attention_matches_the_fused_kernel(score_elements, monkeypatch):
+    """The off-CPU path (blocks of query rows in plain torch) against the CPU's fused kernel."""
+    from eagle3lib.model import ChunkedCausalAttention, causal_attention_backward, causal_attention_with_lse
+
+    monkeypatch.setattr(ChunkedCausalAttention, "score_elements", score_elements)
+    q, k, v = ttt_attention_inputs(1, T=8)[:3]
+    assert len(list(ChunkedCausalAttention.blocks(q))) == (3 if score_elements == 300 else 1)
+    out, lse = ChunkedCausalAttention.forward(q, k, v)
+    fused_out, fused_lse = causal_attention_with_lse(q, k, v)
+    torch.testing.assert_close(out, fused_out, atol=1e-12, rtol=0)
+    torch.testing.assert_close(lse, fused_lse.double(), atol=1e-12, rtol=0)
+    grad_out = torch.randn_like(out)
+    grads = ChunkedCausalAttention.backward(grad_out, q, k, v, out, lse)
+    fused_grads = causal_attention_backward(grad_out, q, k, v, fused_out, fused_lse)
+    for grad, expected in zip(grads, fused_grads, strict=True):
+        torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0)
+
+
+def test_unroll_gradients_match_the_masked_reference_in_bfloat16_autocast():
+    """The trainer's setting, bf16 autocast over float32 weights: gradients as with masked attention."""
+    import eagle3lib.model as model
+
+    def masked_attend(cache, q, k, v, attention_mask):
+        cache.keys.append(k)
+        cache.values.append(v)
+        return masked_reference_attention(q, cache.keys[0], cache.values[0], cache.keys[1:], cache.values[1:])
+
+    drafter = tiny_drafter()
+    input_ids, aux = torch.randint(0, 64, (2, 12)), torch.randn(2, 12, 120)
+
+    def gradients():
+        drafter.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, _ = drafter.unroll(input_ids, aux, steps=4)
+        logits.float().logsumexp(-1).sum().backward()
+        return {name: p.grad.clone() for name, p in drafter.named_parameters()}
+
+    fused = gradients()
+    original = model.TTTCache.attend
+    model.TTTCache.attend = masked_attend
+    try:
+        reference = gradients()
+    finally:
+        model.TTTCache.attend = original
+    for name, grad in fused.items():
+        scale = reference[name].abs().max()
+        assert (grad - reference[name]).abs().max() <= 0.02 * scale, name

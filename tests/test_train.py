@@ -130,6 +130,11 @@ def test_ttt_sums_match_a_row_by_row_reference(data_folder):
     torch.testing.assert_close(sums[0], expected[0], rtol=1e-5, atol=1e-4)
     assert torch.equal(sums[1:], expected[1:])
     assert sums[3, 0] > 0 and sums[4, 1] > 0 and sums[3, 3] < sums[2, 3]
+    # only the graded rows of each step (what the trainer computes logits for): the same sums, exactly
+    graded = [logits[k, :, : T - 1 - k] for k in range(4)]
+    assert torch.equal(loss.ttt_sums(graded, targets, vocab_map.draft_ids).detached(), sums)
+    with pytest.raises(ValueError, match=r"step 1 logits .* graded rows \[B, 14, Vd\]"):
+        loss.ttt_sums([graded[0], graded[0][:, :-3]], targets, vocab_map.draft_ids)
 
 
 def test_uniform_drafter_scores_ln_vd_and_the_oracle_scores_the_entropy(data_folder):
