@@ -1,6 +1,6 @@
 """Memory plan of one TTT training step at Kimi-K2.5 scale, traced through eagle3lib's own trainer code.
 
-    .venv/bin/python bench/memory_plan.py [--seq-len 2048] [--ttt-steps 7] [--dtype auto|fp32|bf16]
+    .venv/bin/python bench/memory_plan.py [--seq-len 2048] [--ttt-steps 7] [--attention blocks|fused]
 
 Nothing here is a formula. The trainer is built as it is for a real run (`train.init_drafter` for the
 scratch arm, `train.Trainer` with the params' defaults), but from fake tensors (shapes and dtypes, no
