@@ -57,6 +57,34 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("params", help="a recipe under params/ (its train section: arms, data, vocab map, steps)")
+    p.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one parameter, e.g. -p train.steps=50 (repeatable)")
+    p.add_argument("-o", "--out", help="output folder, one subfolder per arm (default: "
+                   "outputs/<run.name>/04_finetune)")
+    p.add_argument("--run-dir", help="the run that '@step/...' paths refer to (default: the output's parent)")
+    p.add_argument("--resume", action="store_true", help="continue each arm from its latest checkpoint")
+
+
+@command("train", "fine-tune the recipe's arms (04_finetune without the notebook; torchrun when "
+         "train.nproc > 1)", _train_arguments)
+def _train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from eagle3lib import runs, train
+
+    params = runs.load_params(args.params, args.param)
+    out = runs.resolve_path(args.out or Path(runs.OUTPUTS_DIR, params["run"]["name"], "04_finetune"))
+    run_dir = runs.resolve_path(args.run_dir) if args.run_dir else out.parent
+    params = runs.resolve_run_paths(params, run_dir)
+    results = train.train_arms(params, out, run_dir=run_dir, resume=args.resume)
+    print(f"eagle3 train: {train.findings(results)}")
+    for arm, result in results.items():
+        print(f"eagle3 train: {arm}: drafter {result.drafter}")
+    return 0
+
+
 def _diff_vocab_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("a", help="map A: a drafter checkpoint folder or a map file (d2t/t2d)")
     p.add_argument("b", help="map B: same kinds as A")

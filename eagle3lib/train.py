@@ -928,6 +928,7 @@ def main(argv: list[str] | None = None) -> int:
     params = runs.load_params(args.params, args.param)
     out = runs.resolve_path(args.out or Path(runs.OUTPUTS_DIR, params["run"]["name"], "04_finetune"))
     run_dir = runs.resolve_path(args.run_dir) if args.run_dir else out.parent
+    params = runs.resolve_run_paths(params, run_dir)
     procs = Processes.start(params["run"]["device"])
     try:
         check_settings(params["train"])

@@ -332,3 +332,34 @@ def test_bad_settings_are_refused(tmp_path, data_folder):
     other_vt = VocabMap.from_ids(torch.arange(VD), VT + 1).save(tmp_path / "other_vt.safetensors")
     with pytest.raises(ValueError, match=str(VT + 1)):
         train.train_arms(tiny_params(data_folder, vocab_map=str(other_vt)), tmp_path / "d")
+
+
+def test_eagle3_train_command_trains_the_recipes_arms_and_refuses_to_overwrite(tmp_path, data_folder, capsys):
+    """`eagle3 train`: a recipe file with a run-relative ('@') vocab map, -p overrides, output per arm."""
+    import shutil
+
+    import yaml
+
+    from eagle3lib import cli
+
+    run_dir = tmp_path / "run"
+    (run_dir / "02_diff_vocab_maps").mkdir(parents=True)
+    shutil.copy(data_folder["vocab_map"], run_dir / "02_diff_vocab_maps" / "map.safetensors")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "run": {"device": "cpu"},
+        "train": {"data": data_folder["data"], "vocab_map": "@02_diff_vocab_maps/map.safetensors",
+                  "steps": 4, "batch_size": 2, "micro_batch_size": 2, "seq_len": T, "warmup_steps": 1,
+                  "log_every": 2, "checkpoint_every": 0, "check_batches": 1, "ttt_steps": 2,
+                  "scratch": SCRATCH},
+    }))
+    out = run_dir / "04_finetune"
+    arguments = ["train", str(recipe), "-o", str(out), "-p", "train.arms=[scratch]"]
+    assert cli.main(arguments) == 0
+    printed = capsys.readouterr().out
+    assert "eagle3 train: After 4 optimizer steps on the same data: scratch: loss_0" in printed
+    drafter, report = load_drafter(out / "scratch" / "drafter", strict=True)
+    assert report.summary() == "13 loaded, 2 skipped (d2t, t2d), 0 missing, 0 unexpected"
+    assert torch.equal(drafter.d2t, VocabMap.load(data_folder["vocab_map"]).d2t)
+    assert cli.main(arguments) == 2  # the finished arm is kept, not trained over
+    assert "already holds a finished arm" in capsys.readouterr().err
