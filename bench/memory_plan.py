@@ -44,7 +44,7 @@ FORWARD_CATEGORIES = ("draft logits", "attention scores", "MLP activations", "hi
 KNOBS = {
     "attention scores": "TTT steps k >= 1 keep O(T) per head (PrefixAndDiagonalsAttention: the step-0 prefix "
     "attention returns its log-sum-exp, the diagonals merge into it); off the CPU the prefix runs in blocks "
-    "of query rows (ChunkedCausalAttention.score_elements per block, transient)",
+    "of query rows (BlockedCausalAttention.score_elements per block, transient)",
     "draft logits": "logit-sized [B, T, Vd] float32 tensors kept for backward at every TTT step: compute "
     "lm_head + log-softmax + loss in row chunks and recompute them in backward (a chunked/fused loss), or "
     "fewer train.ttt_steps",
@@ -302,8 +302,8 @@ def main() -> None:
     if args.train_lm_head is not None:
         args.train_lm_head = args.train_lm_head == "true"
     if args.attention == "blocks":  # fake tensors are CPU tensors; a GPU run takes the blocked path
-        model.causal_attention_with_lse = model.ChunkedCausalAttention.forward
-        model.causal_attention_backward = model.ChunkedCausalAttention.backward
+        model.causal_attention_with_lse = model.BlockedCausalAttention.forward
+        model.causal_attention_backward = model.BlockedCausalAttention.backward
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     trainer, head, batch = build_trainer(args, fake)
     with fake:

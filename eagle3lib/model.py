@@ -153,7 +153,7 @@ def causal_attention_with_lse(
     [B, Hq, T] in float32, which is what lets more keys be merged in afterwards exactly."""
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)
-    return ChunkedCausalAttention.forward(q, k, v)
+    return BlockedCausalAttention.forward(q, k, v)
 
 
 def causal_attention_backward(
@@ -170,10 +170,10 @@ def causal_attention_backward(
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, True
         )
-    return ChunkedCausalAttention.backward(grad_out, q, k, v, out, lse)
+    return BlockedCausalAttention.backward(grad_out, q, k, v, out, lse)
 
 
-class ChunkedCausalAttention:
+class BlockedCausalAttention:
     """`causal_attention_with_lse` and its backward in plain torch, in blocks of query rows: a block of
     scores holds at most `score_elements` (and at least one row), never [B, Hq, T, T]. Used off the CPU,
     where the fused kernel above is not exposed with its log-sum-exp."""
@@ -189,7 +189,8 @@ class ChunkedCausalAttention:
 
     @staticmethod
     def scores(q: torch.Tensor, k: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Float32 scores [B, Hkv, G, end-start, end] of queries start..end-1 over keys 0..end-1, causal."""
+        """Scores [B, Hkv, G, end-start, end] of queries start..end-1 over keys 0..end-1, causal, at least
+        float32."""
         scale, wide = q.shape[-1] ** -0.5, accumulation_dtype(q)
         rows = q[:, :, start:end].unflatten(1, (k.shape[1], -1)).to(wide)
         scores = rows @ k[:, :, None, :end].to(wide).transpose(-1, -2) * scale
@@ -228,7 +229,7 @@ class ChunkedCausalAttention:
 
 
 def diagonal_scores(rows: torch.Tensor, keys: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """Float32 scores [n, B, Hkv, G, T] of query row j (rows [B, Hkv, G, T, D]) with row j of each key."""
+    """Scores [n, B, Hkv, G, T] of query row j (rows [B, Hkv, G, T, D]) with row j of each key."""
     scale = rows.shape[-1] ** -0.5
     return torch.stack([(rows * key[:, :, None].to(rows.dtype)).sum(-1) * scale for key in keys])
 

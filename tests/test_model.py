@@ -380,19 +380,19 @@ def test_prefix_and_diagonals_attention_is_exact_with_exact_gradients(steps):
 
 
 @pytest.mark.parametrize("score_elements", [300, 2**26])  # blocks of 3 query rows, or all 8 at once
-def test_chunked_causal_attention_matches_the_fused_kernel(score_elements, monkeypatch):
+def test_blocked_causal_attention_matches_the_fused_kernel(score_elements, monkeypatch):
     """The off-CPU path (blocks of query rows in plain torch) against the CPU's fused kernel."""
-    from eagle3lib.model import ChunkedCausalAttention, causal_attention_backward, causal_attention_with_lse
+    from eagle3lib.model import BlockedCausalAttention, causal_attention_backward, causal_attention_with_lse
 
-    monkeypatch.setattr(ChunkedCausalAttention, "score_elements", score_elements)
+    monkeypatch.setattr(BlockedCausalAttention, "score_elements", score_elements)
     q, k, v = ttt_attention_inputs(1, T=8)[:3]
-    assert len(list(ChunkedCausalAttention.blocks(q))) == (3 if score_elements == 300 else 1)
-    out, lse = ChunkedCausalAttention.forward(q, k, v)
+    assert len(list(BlockedCausalAttention.blocks(q))) == (3 if score_elements == 300 else 1)
+    out, lse = BlockedCausalAttention.forward(q, k, v)
     fused_out, fused_lse = causal_attention_with_lse(q, k, v)
     torch.testing.assert_close(out, fused_out, atol=1e-12, rtol=0)
     torch.testing.assert_close(lse, fused_lse.double(), atol=1e-12, rtol=0)
     grad_out = torch.randn_like(out)
-    grads = ChunkedCausalAttention.backward(grad_out, q, k, v, out, lse)
+    grads = BlockedCausalAttention.backward(grad_out, q, k, v, out, lse)
     fused_grads = causal_attention_backward(grad_out, q, k, v, fused_out, fused_lse)
     for grad, expected in zip(grads, fused_grads, strict=True):
         torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0)
