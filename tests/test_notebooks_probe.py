@@ -10,11 +10,7 @@ import pytest
 from eagle3lib import runs
 from tests.notebook_harness import run_notebook
 
-
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    # the kernels inherit this: tiny models on two busy cores run faster on one thread
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+pytestmark = pytest.mark.usefixtures("one_thread_kernels")
 
 
 def test_01_then_05_under_smoke_params(tmp_path):

@@ -29,9 +29,7 @@ CHAINED = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # tiny models on two busy cores run faster on one thread
+pytestmark = pytest.mark.usefixtures("one_thread_kernels")
 
 
 def test_smoke_recipe_runs_all_six_notebooks_chained(tmp_path, monkeypatch):

@@ -115,12 +115,7 @@ def random_pair(vocab: int, draft_vocab: int, seed: int = 0, head_scale: float =
     return model, drafter
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 PROMPT = [3, 8, 0, 5, 22]

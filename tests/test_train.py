@@ -23,13 +23,7 @@ SCRATCH = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "i
            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: more threads only fight each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def synthetic_samples(seed: int = 0, n: int = 32, used: int = 80) -> tuple[dict, dict]:

@@ -13,12 +13,7 @@ from tests.test_train import data_folder, tiny_params  # noqa: F401  (data_folde
 STEPS = 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path, data_folder, capsys):  # noqa: F811
