@@ -70,14 +70,9 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
 @command("train", "fine-tune the recipe's arms (04_finetune without the notebook; torchrun when "
          "train.nproc > 1)", _train_arguments)
 def _train(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from eagle3lib import train
 
-    from eagle3lib import runs, train
-
-    params = runs.load_params(args.params, args.param)
-    out = runs.resolve_path(args.out or Path(runs.OUTPUTS_DIR, params["run"]["name"], "04_finetune"))
-    run_dir = runs.resolve_path(args.run_dir) if args.run_dir else out.parent
-    params = runs.resolve_run_paths(params, run_dir)
+    params, out, run_dir = train.recipe_for_training(args.params, args.param, args.out, args.run_dir)
     results = train.train_arms(params, out, run_dir=run_dir, resume=args.resume)
     print(f"eagle3 train: {train.findings(results)}")
     for arm, result in results.items():

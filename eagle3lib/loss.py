@@ -112,6 +112,7 @@ def ttt_sums(step_logits: Iterable[Tensor], targets: Targets, draft_ids: Tensor)
                 f"{list(targets.argmax.shape)} positions, so expected [B, {rows_per_sample}, Vd] or the "
                 f"graded rows [B, {graded}, Vd]"
             )
+        # no slice when only graded rows came: a slice's backward would zero-fill a full-size gradient
         logits = logits[:, :graded].float() if logits.shape[1] != graded else logits.float()
         probs = targets.probs[:, 1 + k :]
         counted = targets.counted[:, 1 + k :]

@@ -917,6 +917,17 @@ def _echo(follow) -> None:
         print(text.replace("\r", "\n"), end="", flush=True)
 
 
+def recipe_for_training(
+    params_file: str, overrides: list[str], out: str | None, run_dir: str | None
+) -> tuple[dict, Path, Path]:
+    """(params with '@' paths resolved, the arms' output folder, the run folder) for a training command:
+    output by default `outputs/<run.name>/04_finetune`, run folder by default the output's parent."""
+    params = runs.load_params(params_file, overrides)
+    out = runs.resolve_path(out or Path(runs.OUTPUTS_DIR, params["run"]["name"], "04_finetune"))
+    run_dir = runs.resolve_path(run_dir) if run_dir else out.parent
+    return runs.resolve_run_paths(params, run_dir), out, run_dir
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle3lib.train", description=__doc__.splitlines()[0])
     parser.add_argument("--params", required=True, help="a recipe under params/")
@@ -925,10 +936,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", help="the run whose 00_prepare_data holds the data (default: --out/..)")
     parser.add_argument("--resume", action="store_true", help="continue each arm from its latest checkpoint")
     args = parser.parse_args(argv)
-    params = runs.load_params(args.params, args.param)
-    out = runs.resolve_path(args.out or Path(runs.OUTPUTS_DIR, params["run"]["name"], "04_finetune"))
-    run_dir = runs.resolve_path(args.run_dir) if args.run_dir else out.parent
-    params = runs.resolve_run_paths(params, run_dir)
+    params, out, run_dir = recipe_for_training(args.params, args.param, args.out, args.run_dir)
     procs = Processes.start(params["run"]["device"])
     try:
         check_settings(params["train"])
