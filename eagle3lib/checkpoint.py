@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,6 +39,7 @@ from safetensors.torch import save_file
 
 from eagle3lib.config import LAYOUTS, DrafterConfig, aux_ids_to_vllm, read_config, write_config
 from eagle3lib.model import Eagle3Drafter
+from eagle3lib.runs import staged_folder
 from eagle3lib.vocab import VocabMap
 
 VOCAB_MAP_KEYS = ("d2t", "t2d")
@@ -438,21 +437,9 @@ def save_drafter(
         drafter.config.vocab_size, "the config"
     )
     dtype = str(drafter.lm_head.weight.dtype).removeprefix("torch.")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
-    try:
+    with staged_folder(path, replace=overwrite) as staging:
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         write_config(drafter.config, staging, layout, dtype)
-        if path.exists():  # overwrite: move the old folder aside first so that the rename is atomic
-            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
-            os.replace(path, old / path.name)
-            os.replace(staging, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(staging, path)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return path
 
 

@@ -14,6 +14,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -315,6 +317,29 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     raise TypeError(f"metrics value of type {type(value).__name__} is not JSON-serialisable: {value!r}")
+
+
+@contextmanager
+def staged_folder(path: Path, replace: bool = False) -> Iterator[Path]:
+    """A temporary folder beside `path` to fill: renamed to `path` when the block ends without an error,
+    removed otherwise, so `path` never holds a half-written folder. An existing `path` is refused, or with
+    `replace` moved aside first, so that the rename itself stays atomic."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        yield staging
+        if not path.exists():
+            os.replace(staging, path)
+        elif replace:
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
+            os.replace(path, old / path.name)
+            os.replace(staging, path)
+            shutil.rmtree(old)
+        else:
+            raise FileExistsError(f"{path} exists; refusing to replace it")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -620,9 +620,7 @@ class Trainer:
         temporary folder and renamed into place; older ones beyond `keep_checkpoints` are removed."""
         path = self.checkpoint_dir / f"step_{self.step:06d}"
         if self.procs.main:
-            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(dir=self.checkpoint_dir, prefix=f".{path.name}.", suffix=".tmp"))
-            try:
+            with runs.staged_folder(path, replace=True) as staging:
                 save_drafter(self.drafter, staging / "drafter", layout="sglang")
                 torch.save(
                     {
@@ -637,12 +635,6 @@ class Trainer:
                     },
                     staging / STATE_FILE,
                 )
-                if path.exists():
-                    shutil.rmtree(path)
-                os.replace(staging, path)
-            except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise
             for old in self.checkpoints()[: -self.train["keep_checkpoints"] or None]:
                 shutil.rmtree(old)
         self.procs.barrier()
