@@ -14,7 +14,10 @@ Between rounds the target cache holds every committed token but the last one (th
 next verification), and the drafter cache holds one row per target cache entry: row t pairs the target's
 aux state at position t with token t+1 and carries position id t+1, as in training (FORMATS.md §1).
 
-Prompts are decoded one at a time (batch 1), the setting in which engines report τ per request.
+Prompts decode in batches (`SpeculativeDecoder.generate_batch`): the target and the drafter each keep one
+KV cache for the batch, every sequence accepts its own number of drafts per round (rejected and padding
+columns stay behind as masked holes), and finished sequences leave the batch. A sequence computes what it
+would alone, so τ and the outputs do not depend on the batch size; speed does.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
+from eagle3lib import intervals
 from eagle3lib.config import default_aux_layer_ids
 
 # ---------------------------------------------------------------- checks before any decoding
@@ -168,112 +172,257 @@ class DraftSettings:
         return self.temperature > 0 and self.topk == 1 and self.sample_drafts
 
 
-def draft_tree(
-    drafter,
-    cache,
-    root_token: int,
+# ---------------------------------------------------------------- batches of sequences in one KV cache
+
+
+def compact_columns(valid: Tensor, tensors: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    """Move each row's valid cache columns (dim 2 of [B, heads, C, head_dim] tensors) to the front, in order.
+
+    Attention is indifferent to the order of its keys (positions are in the rotary embedding already), so
+    this only drops the holes that rejected drafts and prompt padding leave.
+    """
+    counts = valid.sum(1)
+    width = int(counts.max())
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    index = order.to(tensors[0].device)[:, None, :, None]
+    moved = [t.gather(2, index.expand(t.shape[0], t.shape[1], width, t.shape[3])) for t in tensors]
+    return torch.arange(width, device=valid.device)[None] < counts[:, None], moved
+
+
+def _holes_dominate(valid: Tensor) -> bool:
+    """Compact once more than half of the columns are holes (and there are enough to matter)."""
+    return valid.shape[1] > 2 * int(valid.sum(1).max()) + 32
+
+
+class TargetBatch:
+    """B sequences decoding together in one Hugging Face KV cache.
+
+    Column c of the cache holds one position of every sequence, and `valid[b, c]` says whether it is part of
+    sequence b: left padding of short prompts and rejected drafts stay in the cache as masked holes instead
+    of being cut out row by row. Every forward passes its own 4D mask (the valid columns, plus the tree's
+    ancestors among the new ones) and explicit position ids, so each sequence computes exactly what it
+    would alone. Trailing columns no sequence kept are cropped; holes are compacted when they dominate.
+    """
+
+    def __init__(self, model: PreTrainedModel, aux_layer_ids: list[int]):
+        self.model, self.aux_layer_ids = model, aux_layer_ids
+        self._layers = model.get_decoder().layers
+        self.cache = DynamicCache(config=model.config)
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [B, columns]
+        self.lengths = torch.zeros(0, dtype=torch.long)  # [B] committed tokens = the next token's position
+
+    def _forward(self, input_ids: Tensor, allowed: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Logits [B, n, Vt] and aux states [B, n, A*Ht] (None without aux layers) of n new columns.
+
+        The aux states are the decoder layers' outputs taken with hooks, as `Target.capture` takes them for
+        training data (HF's output_hidden_states puts the final-normed state where the last layer's output
+        would be)."""
+        device, dtype = self.model.device, self.model.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        outputs: dict[int, Tensor] = {}
+
+        def keep(layer_id: int):
+            def hook(module, args, output):
+                outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+
+            return hook
+
+        handles = [self._layers[i].register_forward_hook(keep(i)) for i in set(self.aux_layer_ids)]
+        try:
+            logits = self.model(
+                input_ids.to(device), past_key_values=self.cache, use_cache=True,
+                attention_mask=mask[:, None].to(device), position_ids=positions.to(device),
+            ).logits
+        finally:
+            for handle in handles:
+                handle.remove()
+        aux = torch.cat([outputs[i] for i in self.aux_layer_ids], dim=-1) if self.aux_layer_ids else None
+        return logits, aux
+
+    def prefill(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor | None]:
+        """Left-padded prompts through the target: last-position logits [B, Vt] and aux states [B, W, A*Ht]
+        (sequence b's in its last len(prompt b) rows)."""
+        width = max(len(p) for p in prompts)
+        pad = torch.tensor([width - len(p) for p in prompts])
+        input_ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+        columns = torch.arange(width)
+        self.valid = columns[None] >= pad[:, None]
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        # a padding row attends to itself: no row is fully masked, so nothing turns into NaN
+        allowed = self.valid[:, None, :] & causal | torch.eye(width, dtype=torch.bool)
+        logits, aux = self._forward(input_ids, allowed, (columns[None] - pad[:, None]).clamp(min=0))
+        self.lengths = torch.tensor([len(p) for p in prompts])
+        return logits[:, -1], aux
+
+    def verify(self, tokens: Tensor, ancestors: Tensor, depths: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Score a tree per sequence (tokens [B, N], node 0 the root) in one forward: each node sees its
+        sequence's committed columns, its ancestors and itself, at position = committed + depth."""
+        batch, nodes = tokens.shape
+        committed = self.valid[:, None, :].expand(batch, nodes, self.valid.shape[1])
+        allowed = torch.cat([committed, ancestors], dim=2)
+        return self._forward(tokens, allowed, self.lengths[:, None] + depths)
+
+    def commit(self, kept: Tensor) -> None:
+        """Keep the verified nodes (bool [B, N]) of the last `verify` in each sequence."""
+        self.valid = torch.cat([self.valid, kept], dim=1)
+        self.lengths = self.lengths + kept.sum(1)
+        used = int(self.valid.any(0).nonzero().max()) + 1  # a chain's rejected tail is cut off outright
+        if used < self.valid.shape[1]:
+            self.cache.crop(used - self.valid.shape[1])  # a negative count drops that many from the end
+            self.valid = self.valid[:, :used]
+        if _holes_dominate(self.valid):
+            layers = self.cache.layers
+            tensors = [t for layer in layers for t in (layer.keys, layer.values)]
+            self.valid, moved = compact_columns(self.valid, tensors)
+            for layer, keys, values in zip(layers, moved[0::2], moved[1::2], strict=True):
+                layer.keys, layer.values = keys, values
+
+    def select(self, rows: Tensor) -> None:
+        """Keep only these sequences (finished ones drop out of the batch)."""
+        self.cache.batch_select_indices(rows.to(self.model.device))
+        self.valid, self.lengths = self.valid[rows], self.lengths[rows]
+
+
+class DrafterBatch:
+    """The drafter's KV cache for B sequences, with valid columns as in `TargetBatch`: each sequence appends a
+    different number of committed rows per round, shorter ones padded with masked rows."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.cache = drafter.new_cache()
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)
+
+    def feed(
+        self, input_ids: Tensor, hidden: Tensor, positions: Tensor, rows_valid: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Append committed rows ([B, P], causal among themselves; padding rows where `rows_valid` is False):
+        logits [B, P, Vd] and layer_out [B, P, H]."""
+        batch, rows = input_ids.shape
+        if self.valid.shape[0] != batch:  # the first feed of a batch
+            self.valid = torch.zeros(batch, 0, dtype=torch.bool)
+        cached = self.valid[:, None, :].expand(batch, rows, self.valid.shape[1])
+        causal = torch.ones(rows, rows, dtype=torch.bool).tril()
+        new = rows_valid[:, None, :] & causal | torch.eye(rows, dtype=torch.bool)
+        allowed = torch.cat([cached, new], dim=2).to(input_ids.device)
+        logits, layer_out = self.drafter.step(input_ids, hidden, positions, self.cache, allowed)
+        self.valid = torch.cat([self.valid, rows_valid], dim=1)
+        if _holes_dominate(self.valid):
+            self.valid, (self.cache.keys, self.cache.values) = compact_columns(
+                self.valid, [self.cache.keys, self.cache.values]
+            )
+        return logits, layer_out
+
+    def select(self, rows: Tensor) -> None:
+        if self.cache.keys is None:  # a sequence finished on its prefill token: nothing fed yet
+            return
+        rows_there = rows.to(self.cache.keys.device)
+        self.cache.keys, self.cache.values = self.cache.keys[rows_there], self.cache.values[rows_there]
+        self.valid = self.valid[rows]
+
+
+# ---------------------------------------------------------------- drafting
+
+
+def draft_trees(
+    batch: DrafterBatch,
+    root_tokens: Tensor,
     root_logits: Tensor,
     root_layer_out: Tensor,
-    root_position: int,
+    root_positions: Tensor,
     settings: DraftSettings,
-    generator: torch.Generator | None = None,
-) -> DraftTree:
-    """Grow the candidate tree from the drafter's last committed row; the drafter cache is left as found.
+    generators: list[torch.Generator | None],
+) -> list[DraftTree]:
+    """Grow each sequence's candidate tree from its last committed drafter row; the cache is left as found.
 
     Each level feeds the k best nodes of the previous one (token, the layer_out of the row that proposed it,
-    position = root_position + depth) with a mask that lets each see the committed cache, its ancestors'
-    rows and itself. Candidates are ranked by cumulative log-probability; ties go to the shallower node, so
-    the kept set always contains each kept node's parent.
+    position = root position + depth) with a mask that lets each see its sequence's committed rows, its
+    ancestors' rows and itself. Candidates are ranked by cumulative log-probability; ties go to the
+    shallower node, so the kept set always contains each kept node's parent. Every sequence has the same
+    number of candidates per level (only their parents differ), so the levels are [B, ...] tensors.
     """
-    committed = len(cache)
-    draft_ids = drafter.draft_to_target(torch.arange(len(drafter.d2t), device=root_logits.device))
-    vocab = drafter.config.vocab_size
-    k = settings.topk
-    # candidates, in order of creation (hence by depth): target token, parent candidate (-1 = root), score
-    tokens: list[Tensor] = []
-    parents: list[int] = []
-    scores: list[Tensor] = []
-    depths: list[int] = []
-    probs: list[Tensor] = []
+    drafter, cache = batch.drafter, batch.cache
+    device = root_logits.device
+    size, committed = len(root_tokens), len(cache)
+    draft_ids = drafter.draft_to_target(torch.arange(len(drafter.d2t), device=device))
+    vocab, k = drafter.config.vocab_size, settings.topk
+    rows = torch.arange(size)
 
     def propose(logits: Tensor, parent_scores: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Children of each row of logits [m, Vd]: draft ids [m, c], scores [m, c], their q in target ids."""
+        """Children of logits [B, m, Vd]: draft ids [B, m, c], scores [B, m, c], their q in target ids."""
         logp = torch.log_softmax(logits.float(), -1)
-        if settings.samples_drafts:
+        if settings.samples_drafts:  # a chain (m = 1): one sampled child, from each sequence's own generator
             q = torch.softmax(logits.float() / settings.temperature, -1)
-            ids = torch.multinomial(q, 1, generator=generator)
-            q_target = q.new_zeros(q.shape[0], vocab).index_copy_(1, draft_ids, q)
-            return ids, parent_scores[:, None] + logp.gather(1, ids), q_target
+            ids = torch.stack([torch.multinomial(q[b], 1, generator=generators[b]) for b in range(size)])
+            q_target = q.new_zeros(*q.shape[:2], vocab).index_copy_(2, draft_ids, q)
+            return ids, parent_scores[..., None] + logp.gather(2, ids), q_target
         top, ids = logp.topk(k, dim=-1)
-        return ids, parent_scores[:, None] + top, None
+        return ids, parent_scores[..., None] + top, None
 
-    ids, child_scores, q = propose(root_logits[None], root_logits.new_zeros(1, dtype=torch.float))
-    frontier = []
-    for j in range(ids.shape[1]):
-        frontier.append(len(tokens))
-        tokens.append(draft_ids[ids[0, j]])
-        parents.append(-1)
-        scores.append(child_scores[0, j])
-        depths.append(1)
-        if q is not None:
-            probs.append(q[0])
-    frontier_hidden = root_layer_out[None].expand(len(frontier), -1)
-    row_of: dict[int, int] = {}  # candidate → its row in the drafter cache (beyond `committed`)
+    ids, child_scores, q = propose(root_logits[:, None], torch.zeros(size, 1, device=device))
+    first = ids.shape[-1]
+    tokens = draft_ids[ids.flatten(1)]  # [B, M] target ids of every candidate so far, in creation order
+    scores = child_scores.flatten(1)
+    depths = [1] * first
+    probs = q.expand(size, first, vocab) if q is not None else None
+    most = first + (settings.steps - 1) * k * first
+    parent = torch.full((size, most), -1, dtype=torch.long)  # candidate → its parent candidate (-1: root)
+    row_of = torch.full((size, most), -1, dtype=torch.long)  # candidate → its drafter row beyond `committed`
+    frontier = torch.arange(first).expand(size, first)
+    frontier_hidden = root_layer_out[:, None].expand(size, first, root_layer_out.shape[-1])
 
     for depth in range(2, settings.steps + 1):
-        fed = len(row_of)
-        mask = torch.zeros(len(frontier), committed + fed + len(frontier), dtype=torch.bool)
-        mask[:, :committed] = True
-        for i, node in enumerate(frontier):
-            ancestor = parents[node]
-            while ancestor >= 0:
-                mask[i, committed + row_of[ancestor]] = True
-                ancestor = parents[ancestor]
-            mask[i, committed + fed + i] = True
-        positions = torch.full((1, len(frontier)), root_position + depth - 1, device=root_logits.device)
+        fed, width = (depth - 2) * frontier.shape[1], frontier.shape[1]
+        allowed = torch.zeros(size, width, committed + fed + width, dtype=torch.bool)
+        allowed[:, :, :committed] = batch.valid[:, None, :]
+        ancestor = parent.gather(1, frontier)
+        while (ancestor >= 0).any():
+            b, i = (ancestor >= 0).nonzero(as_tuple=True)
+            allowed[b, i, committed + row_of[b, ancestor[b, i]]] = True
+            ancestor = torch.where(ancestor >= 0, parent.gather(1, ancestor.clamp(min=0)), ancestor)
+        allowed[:, torch.arange(width), committed + fed + torch.arange(width)] = True
+        positions = (root_positions + depth - 1)[:, None].expand(size, width)
         logits, layer_out = drafter.step(
-            torch.stack([tokens[n] for n in frontier])[None],
-            frontier_hidden[None],
-            positions,
-            cache,
-            attention_mask=mask[None].to(root_logits.device),
+            tokens.gather(1, frontier.to(device)), frontier_hidden, positions.to(device), cache,
+            attention_mask=allowed.to(device),
         )
-        for i, node in enumerate(frontier):
-            row_of[node] = fed + i
-        parent_scores = torch.stack([scores[n] for n in frontier])
-        ids, child_scores, q = propose(logits[0], parent_scores)
-        # the next frontier: the k best children over all frontier nodes (a chain: the only child)
-        best = child_scores.flatten().topk(min(k, child_scores.numel())).indices.tolist()
-        first_new = len(tokens)
-        for i, node in enumerate(frontier):
-            for j in range(ids.shape[1]):
-                tokens.append(draft_ids[ids[i, j]])
-                parents.append(node)
-                scores.append(child_scores[i, j])
-                depths.append(depth)
-                if q is not None:
-                    probs.append(q[i])
-        frontier = [first_new + b for b in best]
-        frontier_hidden = layer_out[0, [b // ids.shape[1] for b in best]]
+        row_of.scatter_(1, frontier, (fed + torch.arange(width)).expand(size, width).contiguous())
+        ids, child_scores, q = propose(logits, scores.gather(1, frontier.to(device)))
+        count, children = tokens.shape[1], ids.shape[-1]
+        tokens = torch.cat([tokens, draft_ids[ids.flatten(1)]], dim=1)
+        scores = torch.cat([scores, child_scores.flatten(1)], dim=1)
+        born = frontier[:, :, None].expand(size, width, children).flatten(1)
+        parent[:, count : count + born.shape[1]] = born
+        depths += [depth] * (width * children)
+        if q is not None:
+            probs = torch.cat([probs, q], dim=1)
+        # the next frontier: each sequence's k best children (a chain: its only child)
+        best = child_scores.flatten(1).topk(min(k, width * children), dim=1).indices.cpu()
+        frontier = count + best
+        frontier_hidden = layer_out[rows[:, None], (best // children).to(device)]
     cache.crop(committed)
 
     keep = settings.num_draft_tokens - 1
-    order = torch.sort(torch.stack(scores), descending=True, stable=True).indices[:keep]
-    chosen = sorted(order.tolist())  # creation order: parents before children
-    node_of = {candidate: i + 1 for i, candidate in enumerate(chosen)}
-    tree_parents = [-1]
-    for candidate in chosen:
-        parent = parents[candidate]
-        if parent >= 0 and parent not in node_of:
-            raise RuntimeError(f"draft tree selection kept candidate {candidate} without its parent {parent}")
-        tree_parents.append(node_of[parent] if parent >= 0 else 0)
-    root = torch.tensor([root_token], device=root_logits.device)
-    return DraftTree(
-        tokens=torch.cat([root, torch.stack([tokens[c] for c in chosen])]),
-        parents=tree_parents,
-        depths=torch.tensor([0] + [depths[c] for c in chosen], device=root_logits.device),
-        draft_probs=torch.stack([torch.zeros_like(probs[0])] + [probs[c] for c in chosen]) if probs else None,
-    )
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :keep].cpu()
+    chosen = order.sort(dim=1).values  # creation order: parents before children
+    node_of = torch.full((size, tokens.shape[1]), -1, dtype=torch.long)
+    node_of.scatter_(1, chosen, torch.arange(1, keep + 1).expand(size, keep).contiguous())
+    chosen_parent = parent[:, : tokens.shape[1]].gather(1, chosen)
+    tree_parent = torch.where(chosen_parent >= 0, node_of.gather(1, chosen_parent.clamp(min=0)), 0)
+    if (tree_parent < 0).any():
+        raise RuntimeError("draft tree selection kept a candidate without its parent")
+    tree_tokens = torch.cat([root_tokens[:, None].to(device), tokens.gather(1, chosen.to(device))], dim=1)
+    tree_depths = torch.cat([torch.zeros(size, 1, dtype=torch.long), torch.tensor(depths)[chosen]], dim=1)
+    if probs is not None:
+        probs = probs[rows[:, None], chosen.to(device)]
+        probs = torch.cat([torch.zeros_like(probs[:, :1]), probs], dim=1)
+    return [
+        DraftTree(
+            tokens=tree_tokens[b], parents=[-1] + tree_parent[b].tolist(), depths=tree_depths[b],
+            draft_probs=probs[b] if probs is not None else None,
+        )
+        for b in range(size)
+    ]
 
 
 # ---------------------------------------------------------------- verification
@@ -330,41 +479,24 @@ def accept_path(
         path.append(kids[accepted])
 
 
-def tree_attention_mask(tree: DraftTree, cached: int, dtype: torch.dtype, device) -> Tensor:
-    """Additive 4D mask [1, 1, N, cached + N]: every node sees the cache, its ancestors and itself."""
-    allowed = torch.ones(len(tree), cached + len(tree), dtype=torch.bool)
-    allowed[:, cached:] = tree.ancestor_mask()
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None].to(device)
-
-
-def keep_cache_positions(cache: DynamicCache, start: int, keep: list[int]) -> None:
-    """Keep cache entries [0, start) and then start + keep[i]; drop the rest (rejected tree nodes)."""
-    if keep == list(range(len(keep))):
-        surplus = cache.get_seq_length() - start - len(keep)
-        if surplus > 0:
-            cache.crop(-surplus)  # transformers 5: a negative count removes that many from the end
-        return
-    index = torch.tensor(keep) + start
-    for layer in cache.layers:
-        index = index.to(layer.keys.device)
-        layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys.index_select(2, index)], dim=2)
-        layer.values = torch.cat([layer.values[:, :, :start], layer.values.index_select(2, index)], dim=2)
-
-
-
-
 # ---------------------------------------------------------------- decoding
 
 
 @dataclass
 class Generation:
-    """One prompt's output and what it cost."""
+    """One prompt's output and how it was accepted."""
 
     tokens: list[int]  # new tokens, prompt excluded
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted at each verification
-    seconds: dict[str, float] = field(default_factory=dict)  # prefill, draft, verify / decode, total
+
+
+@dataclass
+class BatchOutput:
+    """Prompts decoded together, and what the batch cost (its rounds are shared by its sequences)."""
+
+    generations: list[Generation]
+    seconds: dict[str, float]  # prefill, draft, verify (speculative) or decode (target only), total
+    rounds: int  # forward passes after the prefill: verifications, or target-only decoding steps
 
 
 def _sync(device: torch.device) -> None:
@@ -383,7 +515,58 @@ def _done(tokens: list[int], max_new_tokens: int, eos_token_id: int | None) -> b
     return len(tokens) >= max_new_tokens or (eos_token_id is not None and eos_token_id in tokens)
 
 
+def _generators(generators: list[torch.Generator | None] | None, count: int) -> list[torch.Generator | None]:
+    if generators is None:
+        return [None] * count
+    if len(generators) != count:
+        raise ValueError(f"{len(generators)} generators for {count} prompts: give one per prompt")
+    return list(generators)
+
+
 @torch.no_grad()
+def decode_target_only(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    eos_token_id: int | None = None,
+    generators: list[torch.Generator | None] | None = None,
+) -> BatchOutput:
+    """Plain autoregressive decoding of a batch with a KV cache: the baseline speculation has to beat."""
+    generators = _generators(generators, len(prompts))
+    device = model.device
+    batch = TargetBatch(model, aux_layer_ids=[])
+    _sync(device)
+    start = time.perf_counter()
+    logits, _ = batch.prefill(prompts)
+    tokens = [[int(select_tokens(logits[b], temperature, generators[b]))] for b in range(len(prompts))]
+    _sync(device)
+    prefill = time.perf_counter() - start
+    active, rounds = list(range(len(prompts))), 0
+    one = torch.ones(1, 1, 1, dtype=torch.bool)
+    while True:
+        still = [i for i, seq in enumerate(active) if not _done(tokens[seq], max_new_tokens, eos_token_id)]
+        if not still:
+            break
+        if len(still) < len(active):
+            batch.select(torch.tensor(still))
+            active = [active[i] for i in still]
+        last = torch.tensor([[tokens[seq][-1]] for seq in active])
+        depth = torch.zeros(len(active), 1, dtype=torch.long)
+        logits, _ = batch.verify(last, one.expand(len(active), 1, 1), depth)
+        for i, seq in enumerate(active):
+            tokens[seq].append(int(select_tokens(logits[i, -1], temperature, generators[seq])))
+        batch.commit(torch.ones(len(active), 1, dtype=torch.bool))
+        rounds += 1
+    _sync(device)
+    total = time.perf_counter() - start
+    return BatchOutput(
+        generations=[Generation(tokens=_finish(t, max_new_tokens, eos_token_id)) for t in tokens],
+        seconds={"prefill": prefill, "decode": total - prefill, "total": total},
+        rounds=rounds,
+    )
+
+
 def generate_target_only(
     model: PreTrainedModel,
     prompt_ids: list[int],
@@ -392,25 +575,9 @@ def generate_target_only(
     eos_token_id: int | None = None,
     generator: torch.Generator | None = None,
 ) -> Generation:
-    """Plain autoregressive decoding with a KV cache: the baseline speculation has to beat."""
-    device = model.device
-    cache = DynamicCache(config=model.config)
-    _sync(device)
-    start = time.perf_counter()
-    logits = model(torch.tensor([prompt_ids], device=device), past_key_values=cache, use_cache=True).logits
-    tokens = [int(select_tokens(logits[0, -1], temperature, generator))]
-    _sync(device)
-    prefill = time.perf_counter() - start
-    while not _done(tokens, max_new_tokens, eos_token_id):
-        last = torch.tensor([[tokens[-1]]], device=device)
-        logits = model(last, past_key_values=cache, use_cache=True).logits
-        tokens.append(int(select_tokens(logits[0, -1], temperature, generator)))
-    _sync(device)
-    total = time.perf_counter() - start
-    return Generation(
-        tokens=_finish(tokens, max_new_tokens, eos_token_id),
-        seconds={"prefill": prefill, "decode": total - prefill, "total": total},
-    )
+    """`decode_target_only` for one prompt."""
+    out = decode_target_only(model, [prompt_ids], max_new_tokens, temperature, eos_token_id, [generator])
+    return out.generations[0]
 
 
 class SpeculativeDecoder:
@@ -425,29 +592,7 @@ class SpeculativeDecoder:
         self.settings = settings
         num_layers = model.config.get_text_config().num_hidden_layers
         self.aux_layer_ids = aux_layer_ids_for(drafter.config, num_layers)
-        self._layers = model.get_decoder().layers
 
-    def _target_forward(self, input_ids: Tensor, cache: DynamicCache, **kwargs) -> tuple[Tensor, Tensor]:
-        """Logits [t, Vt] and aux states [t, A*Ht] of new positions. The aux states are the decoder layers'
-        outputs taken with hooks, as `Target.capture` takes them for training data (HF's
-        output_hidden_states puts the final-normed state where the last layer's output would be)."""
-        outputs: dict[int, Tensor] = {}
-
-        def keep(layer_id: int):
-            def hook(module, args, output):
-                outputs[layer_id] = output[0] if isinstance(output, tuple) else output
-
-            return hook
-
-        handles = [self._layers[i].register_forward_hook(keep(i)) for i in set(self.aux_layer_ids)]
-        try:
-            logits = self.model(input_ids, past_key_values=cache, use_cache=True, **kwargs).logits
-        finally:
-            for handle in handles:
-                handle.remove()
-        return logits[0], torch.cat([outputs[i] for i in self.aux_layer_ids], dim=-1)[0]
-
-    @torch.no_grad()
     def generate(
         self,
         prompt_ids: list[int],
@@ -455,60 +600,100 @@ class SpeculativeDecoder:
         eos_token_id: int | None = None,
         generator: torch.Generator | None = None,
     ) -> Generation:
-        settings, device = self.settings, self.model.device
+        """`generate_batch` for one prompt."""
+        return self.generate_batch([prompt_ids], max_new_tokens, eos_token_id, [generator]).generations[0]
+
+    @torch.no_grad()
+    def generate_batch(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        eos_token_id: int | None = None,
+        generators: list[torch.Generator | None] | None = None,
+    ) -> BatchOutput:
+        """Decode prompts together; each sequence accepts its own number of drafts per round and leaves the
+        batch when it is done. Sequence b draws its random numbers from `generators[b]` in the order it would
+        alone, so a batch gives each prompt what decoding it alone gives."""
+        settings, device, eos = self.settings, self.model.device, eos_token_id
+        generators = _generators(generators, len(prompts))
         drafter_dtype = next(self.drafter.parameters()).dtype
         seconds = {"prefill": 0.0, "draft": 0.0, "verify": 0.0}
-        target_cache = DynamicCache(config=self.model.config)
-        drafter_cache = self.drafter.new_cache()
+        target, drafter = TargetBatch(self.model, self.aux_layer_ids), DrafterBatch(self.drafter)
         _sync(device)
         start = time.perf_counter()
-        logits, aux = self._target_forward(torch.tensor([prompt_ids], device=device), target_cache)
-        root = int(select_tokens(logits[-1], settings.temperature, generator))
-        tokens = [root]
-        accepted: list[int] = []
-        # rows the drafter has not seen yet: aux state of position t with token t+1, position id t+1
-        pending_ids = torch.tensor(prompt_ids[1:] + [root], device=device)
-        pending_aux = aux
-        committed = len(prompt_ids)  # = target cache length = position of the root token
+        logits, aux = target.prefill(prompts)
+        temperature = settings.temperature
+        roots = [int(select_tokens(row, temperature, g)) for row, g in zip(logits, generators, strict=True)]
+        tokens = [[root] for root in roots]
+        accepted: list[list[int]] = [[] for _ in prompts]
+        # rows the drafter has not seen yet, per batch row: aux state of position t with token t+1, position
+        # id t+1 (from `first_position` on), as in training
+        pending_ids = [list(p[1:]) + [root] for p, root in zip(prompts, roots, strict=True)]
+        pending_aux = [aux[b, aux.shape[1] - len(p) :] for b, p in enumerate(prompts)]
+        first_position = [1] * len(prompts)
+        active, rounds = list(range(len(prompts))), 0
         _sync(device)
         seconds["prefill"] = time.perf_counter() - start
 
-        while not _done(tokens, max_new_tokens, eos_token_id):
+        while True:
+            still = [i for i, seq in enumerate(active) if not _done(tokens[seq], max_new_tokens, eos)]
+            if not still:
+                break
+            if len(still) < len(active):
+                rows = torch.tensor(still)
+                target.select(rows)
+                drafter.select(rows)
+                active, roots = [active[i] for i in still], [roots[i] for i in still]
+                pending_ids = [pending_ids[i] for i in still]
+                pending_aux = [pending_aux[i] for i in still]
+                first_position = [first_position[i] for i in still]
             tick = time.perf_counter()
-            positions = torch.arange(committed - len(pending_ids) + 1, committed + 1, device=device)
-            draft_logits, layer_out = self.drafter.step(
-                pending_ids[None], pending_aux[None].to(drafter_dtype), positions[None], drafter_cache
+            size, width = len(active), max(len(p) for p in pending_ids)
+            ids = torch.zeros(size, width, dtype=torch.long)
+            hidden = pending_aux[0].new_zeros(size, width, pending_aux[0].shape[-1])
+            positions = torch.zeros(size, width, dtype=torch.long)
+            rows_valid = torch.zeros(size, width, dtype=torch.bool)
+            for i, (row_ids, row_aux) in enumerate(zip(pending_ids, pending_aux, strict=True)):
+                n = len(row_ids)
+                ids[i, :n], hidden[i, :n], rows_valid[i, :n] = torch.tensor(row_ids), row_aux, True
+                positions[i, :n] = torch.arange(first_position[i], first_position[i] + n)
+            draft_logits, layer_out = drafter.feed(
+                ids.to(device), hidden.to(drafter_dtype), positions.to(device), rows_valid
             )
-            tree = draft_tree(
-                self.drafter, drafter_cache, root, draft_logits[0, -1], layer_out[0, -1], committed,
-                settings, generator,
+            last = torch.tensor([len(p) - 1 for p in pending_ids], device=device)
+            here = torch.arange(size, device=device)
+            trees = draft_trees(
+                drafter, torch.tensor(roots), draft_logits[here, last], layer_out[here, last], target.lengths,
+                settings, [generators[seq] for seq in active],
             )
             _sync(device)
             tock = time.perf_counter()
             seconds["draft"] += tock - tick
 
-            if tree.is_chain:  # HF's own causal mask and positions: the attention kernels' fast path
-                logits, aux = self._target_forward(tree.tokens[None], target_cache)
-            else:
-                mask = tree_attention_mask(tree, committed, self.model.dtype, device)
-                positions = (tree.depths + committed)[None]
-                logits, aux = self._target_forward(
-                    tree.tokens[None], target_cache, attention_mask=mask, position_ids=positions
-                )
-            path, bonus = accept_path(tree, logits, settings.temperature, generator)
-            keep_cache_positions(target_cache, committed, path)
-            new = tree.tokens[path[1:]].tolist() + [bonus]
-            accepted.append(len(path) - 1)
-            tokens += new
-            pending_ids = torch.tensor(new, device=device)
-            pending_aux = aux[path]
-            committed += len(path)
-            root = bonus
+            logits, aux = target.verify(
+                torch.stack([t.tokens for t in trees]), torch.stack([t.ancestor_mask() for t in trees]),
+                torch.stack([t.depths for t in trees]).cpu(),
+            )
+            kept = torch.zeros(size, len(trees[0]), dtype=torch.bool)
+            for i, (seq, tree) in enumerate(zip(active, trees, strict=True)):
+                path, bonus = accept_path(tree, logits[i], settings.temperature, generators[seq])
+                kept[i, path] = True
+                new = tree.tokens[path[1:]].tolist() + [bonus]
+                accepted[seq].append(len(path) - 1)
+                tokens[seq] += new
+                pending_ids[i], pending_aux[i] = new, aux[i, path]
+                first_position[i] = int(target.lengths[i]) + 1
+                roots[i] = bonus
+            target.commit(kept)
+            rounds += 1
             _sync(device)
             seconds["verify"] += time.perf_counter() - tock
         seconds["total"] = time.perf_counter() - start
-        tokens = _finish(tokens, max_new_tokens, eos_token_id)
-        return Generation(tokens=tokens, accepted=accepted, seconds=seconds)
+        generations = [
+            Generation(tokens=_finish(t, max_new_tokens, eos_token_id), accepted=a)
+            for t, a in zip(tokens, accepted, strict=True)
+        ]
+        return BatchOutput(generations=generations, seconds=seconds, rounds=rounds)
 
 
 # ---------------------------------------------------------------- metrics
@@ -530,35 +715,38 @@ def acceptance_metrics(accepted: list[int], depth: int) -> dict:
     }
 
 
-def speed_metrics(spec: list[Generation], target: list[Generation] | None, tau: float) -> dict:
-    """Throughput of both decoders on the same prompts, the draft/verify split, speedup and ideal speedup.
+def speed_metrics(spec: list[BatchOutput], target: list[BatchOutput] | None, tau: float) -> dict:
+    """Throughput of both decoders on the same prompts and batches, the draft/verify split, speedup and
+    ideal speedup.
 
     ideal_speedup = τ · (target-only step) / (draft + verify per round): what τ allows at the measured
-    step costs, decode phase only; efficiency = measured / ideal, what the prefill both decoders share (and
-    any overhead) leaves of it. Efficiency rises above 1 when speculation is slower than the target alone:
-    the shared prefill then dilutes the slowdown.
+    step costs of a batch, decode phase only; efficiency = measured / ideal, what the prefill both decoders
+    share (and any overhead) leaves of it. Efficiency rises above 1 when speculation is slower than the
+    target alone: the shared prefill then dilutes the slowdown.
     """
-    spec_tokens = sum(len(g.tokens) for g in spec)
-    rounds = sum(len(g.accepted) for g in spec)
-    spec_seconds = {key: sum(g.seconds[key] for g in spec) for key in ("prefill", "draft", "verify", "total")}
+    def total(outputs: list[BatchOutput], key: str) -> float:
+        return sum(o.seconds[key] for o in outputs)
+
+    def tokens(outputs: list[BatchOutput]) -> int:
+        return sum(len(g.tokens) for o in outputs for g in o.generations)
+
+    rounds = sum(o.rounds for o in spec)
     out = {
-        "tokens": spec_tokens,
-        "tokens_per_s": spec_tokens / spec_seconds["total"],
-        "prefill_s": spec_seconds["prefill"],
-        "draft_s": spec_seconds["draft"],
-        "verify_s": spec_seconds["verify"],
-        "draft_ms_per_round": 1e3 * spec_seconds["draft"] / rounds,
-        "verify_ms_per_round": 1e3 * spec_seconds["verify"] / rounds,
+        "tokens": tokens(spec),
+        "tokens_per_s": tokens(spec) / total(spec, "total"),
+        "prefill_s": total(spec, "prefill"),
+        "draft_s": total(spec, "draft"),
+        "verify_s": total(spec, "verify"),
+        "draft_ms_per_round": 1e3 * total(spec, "draft") / rounds,
+        "verify_ms_per_round": 1e3 * total(spec, "verify") / rounds,
     }
     if target:
-        target_tokens = sum(len(g.tokens) for g in target)
-        target_total = sum(g.seconds["total"] for g in target)
-        decode_steps = sum(len(g.tokens) - 1 for g in target)
-        step_s = sum(g.seconds["decode"] for g in target) / max(decode_steps, 1)
-        ideal = tau * step_s / ((spec_seconds["draft"] + spec_seconds["verify"]) / rounds)
-        speedup = out["tokens_per_s"] / (target_tokens / target_total)
+        step_s = total(target, "decode") / max(sum(o.rounds for o in target), 1)
+        ideal = tau * step_s / ((total(spec, "draft") + total(spec, "verify")) / rounds)
+        target_rate = tokens(target) / total(target, "total")
+        speedup = out["tokens_per_s"] / target_rate
         out |= {
-            "target_tokens_per_s": target_tokens / target_total,
+            "target_tokens_per_s": target_rate,
             "target_ms_per_step": 1e3 * step_s,
             "speedup": speedup,
             "ideal_speedup": ideal,
@@ -584,29 +772,42 @@ def probe(
     seed: int = 0,
     compare_target: bool = True,
     warmup: bool = True,
+    batch_size: int = 8,
 ) -> ProbeResult:
-    """Speculate on every prompt (and decode it with the target alone), then count as the engines do.
+    """Speculate on every prompt, `batch_size` prompts at a time (and decode them with the target alone in
+    the same batches), then count as the engines do, with τ's 95 % bootstrap interval.
 
-    With greedy settings, `matches_target` is the share of prompts whose speculative output equals the
-    target-only output token for token (1.0 unless floating point flips a near tie).
+    Prompt i draws from a generator seeded `seed + i` in both decoders, whatever the batching. With greedy
+    settings, `matches_target` is the share of prompts whose speculative output equals the target-only
+    output token for token (1.0 unless floating point flips a near tie).
     """
     if not prompts:
         raise ValueError("probe needs at least one prompt")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     decoder = SpeculativeDecoder(model, drafter, settings)
     device = model.device
     if warmup:  # first calls pay one-time allocation costs that would skew the timings
-        decoder.generate(prompts[0], min(4, max_new_tokens))
-        generate_target_only(model, prompts[0], min(4, max_new_tokens))
+        decoder.generate_batch(prompts[:batch_size], min(4, max_new_tokens))
+        decode_target_only(model, prompts[:batch_size], min(4, max_new_tokens))
+
+    def seeded(start: int, count: int) -> list[torch.Generator]:
+        return [torch.Generator(device).manual_seed(seed + start + i) for i in range(count)]
+
     spec, target = [], []
-    for i, prompt in enumerate(tqdm(prompts, desc="speculate", leave=False)):
-        generator = torch.Generator(device).manual_seed(seed + i)
-        spec.append(decoder.generate(prompt, max_new_tokens, eos_token_id, generator))
+    for start in tqdm(range(0, len(prompts), batch_size), desc="speculate", leave=False):
+        chunk = prompts[start : start + batch_size]
+        spec.append(decoder.generate_batch(chunk, max_new_tokens, eos_token_id, seeded(start, len(chunk))))
         if compare_target:
-            generator = torch.Generator(device).manual_seed(seed + i)
-            target.append(generate_target_only(
-                model, prompt, max_new_tokens, settings.temperature, eos_token_id, generator
+            target.append(decode_target_only(
+                model, chunk, max_new_tokens, settings.temperature, eos_token_id, seeded(start, len(chunk))
             ))
-    metrics = acceptance_metrics([a for g in spec for a in g.accepted], settings.steps)
+    spec_generations = [g for o in spec for g in o.generations]
+    target_generations = [g for o in target for g in o.generations]
+    per_prompt = [g.accepted for g in spec_generations]
+    metrics = acceptance_metrics([a for accepted in per_prompt for a in accepted], settings.steps)
+    interval = intervals.tau_interval(per_prompt, seed=seed)
+    metrics |= {"tau_low": interval.low, "tau_high": interval.high, "tau_interval_unit": interval.unit}
     metrics |= speed_metrics(spec, target or None, metrics["tau"])
     metrics |= {
         "steps": settings.steps,
@@ -614,8 +815,10 @@ def probe(
         "num_draft_tokens": settings.num_draft_tokens,
         "temperature": settings.temperature,
         "prompts": len(prompts),
+        "batch_size": batch_size,
+        "accepted_per_prompt": per_prompt,
     }
     if compare_target and settings.temperature == 0:
-        same = sum(s.tokens == t.tokens for s, t in zip(spec, target, strict=True))
-        metrics["matches_target"] = same / len(spec)
-    return ProbeResult(metrics=metrics, spec=spec, target=target or None)
+        same = sum(s.tokens == t.tokens for s, t in zip(spec_generations, target_generations, strict=True))
+        metrics["matches_target"] = same / len(spec_generations)
+    return ProbeResult(metrics=metrics, spec=spec_generations, target=target_generations or None)

@@ -154,6 +154,61 @@ def test_greedy_speculation_random_pair(name):
         assert decoder.generate(prompt, 40).tokens == speculate.generate_target_only(model, prompt, 40).tokens
 
 
+PROMPTS = [PROMPT, [30, 1, 2], [7] * 9, [4]]  # different lengths: left padding in a batch
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_batched_greedy_equals_target_and_single_sequence_runs(name):
+    """Every prompt of a batch decodes to the target's own greedy output, accepting exactly the drafts it
+    accepts alone, while the batch's sequences accept different numbers per round and finish apart."""
+    settings = SETTINGS[name]
+    f, draft_ids = successor()
+    model = successor_target(f, noise=0.3)
+    decoder = SpeculativeDecoder(model, successor_drafter(f, draft_ids), settings)
+    batch = decoder.generate_batch(PROMPTS, 40)
+    for prompt, out in zip(PROMPTS, batch.generations, strict=True):
+        assert out.tokens == speculate.generate_target_only(model, prompt, 40).tokens
+        assert out.accepted == decoder.generate(prompt, 40).accepted
+    assert len({tuple(g.accepted[:3]) for g in batch.generations}) > 1  # ragged rounds were exercised
+    # an eos token: the sequences that meet it leave the batch early, the others go on unchanged
+    eos = batch.generations[2].tokens[24]
+    early = decoder.generate_batch(PROMPTS, 40, eos_token_id=eos)
+    assert min(len(g.tokens) for g in early.generations) < 40
+    for prompt, out in zip(PROMPTS, early.generations, strict=True):
+        assert out.tokens == speculate.generate_target_only(model, prompt, 40, eos_token_id=eos).tokens
+
+
+@pytest.mark.parametrize("name", ["chain-3", "tree-4x3-8"])
+def test_batched_random_pair_and_hf_generate(name):
+    """Against Hugging Face's own greedy `generate` (one prompt at a time, no padding), for both decoders."""
+    model, drafter = random_pair(vocab=64, draft_vocab=24)
+    decoder = SpeculativeDecoder(model, drafter, SETTINGS[name])
+    prompts = [[1, 2, 3], [60, 7, 7, 41, 9, 0], [5]]
+    spec = decoder.generate_batch(prompts, 30).generations
+    plain = speculate.decode_target_only(model, prompts, 30).generations
+    for prompt, s, t in zip(prompts, spec, plain, strict=True):
+        with torch.no_grad():
+            ids = torch.tensor([prompt])  # an explicit mask: token 0 in a prompt is no padding
+            hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False,
+                                pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+        assert s.tokens == t.tokens == hf
+
+
+def test_probe_counts_the_same_at_every_batch_size():
+    f, draft_ids = successor()
+    model = successor_target(f, noise=0.3)
+    drafter = successor_drafter(f, draft_ids)
+    results = [
+        speculate.probe(model, drafter, PROMPTS, SETTINGS["tree-3x2"], 30, warmup=False, batch_size=n).metrics
+        for n in (1, 3, 4)
+    ]
+    for key in ("tau", "num_drafts", "num_accepted_tokens", "acceptance_per_position", "accepted_per_prompt",
+                "matches_target", "tau_low", "tau_high"):
+        assert results[0][key] == results[1][key] == results[2][key], key
+    assert results[0]["matches_target"] == 1.0 and results[0]["tau_interval_unit"] == "rounds"
+    assert results[0]["tau_low"] <= results[0]["tau"] <= results[0]["tau_high"]
+
+
 def test_eos_stops_both_decoders_at_the_same_place():
     f, draft_ids = successor()
     model = successor_target(f)
@@ -246,59 +301,83 @@ def test_drafter_is_fed_exactly_as_in_training():
 
 
 def test_tree_verification_scores_each_node_as_its_own_sequence():
-    """One masked forward over the cache + a tree gives each node the logits of prefix + its path."""
+    """One masked forward over a batch's cache + a tree per sequence gives each node the logits of its own
+    prefix + its path, with prefixes of different lengths (left padding) in the batch."""
     torch.manual_seed(0)
     model, _ = random_pair(vocab=64, draft_vocab=8)
-    prefix = [4, 9, 33, 1]
-    tree = DraftTree(
-        tokens=torch.tensor([12, 5, 7, 40, 41, 2, 63]),
-        parents=[-1, 0, 0, 1, 1, 3, 2],
-        depths=torch.tensor([0, 1, 1, 2, 2, 3, 2]),
-        draft_probs=None,
-    )
-    cache = speculate.DynamicCache(config=model.config)
+    prefixes = [[4, 9, 33, 1], [17, 2]]
+    trees = [
+        DraftTree(tokens=torch.tensor([12, 5, 7, 40, 41, 2, 63]), parents=[-1, 0, 0, 1, 1, 3, 2],
+                  depths=torch.tensor([0, 1, 1, 2, 2, 3, 2]), draft_probs=None),
+        DraftTree(tokens=torch.tensor([3, 3, 8, 50, 9, 1, 1]), parents=[-1, 0, 1, 2, 0, 4, 3],
+                  depths=torch.tensor([0, 1, 2, 3, 1, 2, 4]), draft_probs=None),
+    ]
+    batch = speculate.TargetBatch(model, aux_layer_ids=[])
     with torch.no_grad():
-        model(torch.tensor([prefix]), past_key_values=cache)
-        mask = speculate.tree_attention_mask(tree, len(prefix), model.dtype, "cpu")
-        logits = model(
-            tree.tokens[None], past_key_values=cache, attention_mask=mask,
-            position_ids=(tree.depths + len(prefix))[None],
-        ).logits[0]
-        for node in range(len(tree)):
-            path, walk = [], node
-            while walk >= 0:
-                path.insert(0, tree.tokens[walk].item())
-                walk = tree.parents[walk]
-            alone = model(torch.tensor([prefix + path])).logits[0, -1]
-            torch.testing.assert_close(logits[node], alone, atol=1e-5, rtol=1e-4)
-        # keeping a non-contiguous path (root, node 2, node 6) leaves the cache of prefix + that path
-        speculate.keep_cache_positions(cache, len(prefix), [0, 2, 6])
-        sequence = prefix + [12, 7, 63]
-        next_logits = model(torch.tensor([[8]]), past_key_values=cache).logits[0, -1]
-        alone = model(torch.tensor([sequence + [8]])).logits[0, -1]
-        torch.testing.assert_close(next_logits, alone, atol=1e-5, rtol=1e-4)
+        batch.prefill(prefixes)
+        logits, _ = batch.verify(
+            torch.stack([t.tokens for t in trees]), torch.stack([t.ancestor_mask() for t in trees]),
+            torch.stack([t.depths for t in trees]),
+        )
+        for b, (prefix, tree) in enumerate(zip(prefixes, trees, strict=True)):
+            for node in range(len(tree)):
+                path, walk = [], node
+                while walk >= 0:
+                    path.insert(0, tree.tokens[walk].item())
+                    walk = tree.parents[walk]
+                alone = model(torch.tensor([prefix + path])).logits[0, -1]
+                torch.testing.assert_close(logits[b, node], alone, atol=1e-5, rtol=1e-4)
+        # keeping non-contiguous paths leaves each sequence's cache holding prefix + its path
+        kept = torch.zeros(2, 7, dtype=torch.bool)
+        kept[0, [0, 2, 6]] = True
+        kept[1, [0, 4]] = True
+        batch.commit(kept)
+        sequences = [prefixes[0] + [12, 7, 63], prefixes[1] + [3, 9]]
+        one = torch.ones(2, 1, 1, dtype=torch.bool)
+        next_logits, _ = batch.verify(torch.tensor([[8], [8]]), one, torch.zeros(2, 1, dtype=torch.long))
+        for b, sequence in enumerate(sequences):
+            alone = model(torch.tensor([sequence + [8]])).logits[0, -1]
+            torch.testing.assert_close(next_logits[b, 0], alone, atol=1e-5, rtol=1e-4)
+
+
+def test_compacting_a_cache_keeps_what_each_sequence_attends_to():
+    valid = torch.tensor([[False, True, False, True], [True, True, False, False]])
+    keys = torch.arange(2 * 4, dtype=torch.float).reshape(2, 1, 4, 1)
+    compact, (moved,) = speculate.compact_columns(valid, [keys])
+    assert compact.tolist() == [[True, True], [True, True]]
+    assert moved[:, 0, :, 0].tolist() == [[1.0, 3.0], [4.0, 5.0]]
 
 
 def test_draft_tree_shapes():
     model, drafter = random_pair(vocab=64, draft_vocab=24)
     decoder = SpeculativeDecoder(model, drafter, DraftSettings(steps=4, topk=3, num_draft_tokens=9))
-    cache = drafter.new_cache()
+    batch = speculate.DrafterBatch(drafter)
     with torch.no_grad():
-        hidden = torch.randn(1, 5, drafter.config.fc_in_features)
-        positions = torch.arange(1, 6)[None]
-        logits, layer_out = drafter.step(torch.tensor([[1, 2, 3, 4, 5]]), hidden, positions, cache)
+        hidden = torch.randn(2, 5, drafter.config.fc_in_features)
+        positions = torch.arange(1, 6)[None].expand(2, 5)
+        rows_valid = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+        logits, layer_out = batch.feed(torch.tensor([[1, 2, 3, 4, 5], [9, 8, 7, 0, 0]]), hidden, positions,
+                                       rows_valid)
+        roots, last = torch.tensor([5, 7]), torch.tensor([4, 2])
+        vocab = set(drafter.draft_to_target(torch.arange(24)).tolist())
+        root_logits, root_out = logits[[0, 1], last], layer_out[[0, 1], last]
         for settings in (decoder.settings, DraftSettings(steps=4)):
-            tree = speculate.draft_tree(drafter, cache, 5, logits[0, -1], layer_out[0, -1], 5, settings)
-            assert len(tree) == settings.num_draft_tokens and len(cache) == 5
-            assert all(0 <= p < node for node, p in enumerate(tree.parents) if node > 0)
-            assert all(tree.depths[n] == tree.depths[p] + 1 for n, p in enumerate(tree.parents) if n > 0)
-            assert int(tree.depths.max()) <= settings.steps
-            assert set(tree.tokens[1:].tolist()) <= set(drafter.draft_to_target(torch.arange(24)).tolist())
-        assert tree.parents == [-1, 0, 1, 2, 3]  # topk 1: a chain
-        # level 1 of a tree holds the drafter's top-3 tokens after the root
-        wide = speculate.draft_tree(drafter, cache, 5, logits[0, -1], layer_out[0, -1], 5, decoder.settings)
-        top3 = drafter.draft_to_target(logits[0, -1].topk(3).indices).tolist()
-        assert sorted(wide.tokens[wide.depths == 1].tolist()) == sorted(top3)
+            trees = speculate.draft_trees(batch, roots, root_logits, root_out, torch.tensor([5, 3]), settings,
+                                          [None, None])
+            assert len(batch.cache) == 5
+            for tree in trees:
+                assert len(tree) == settings.num_draft_tokens
+                assert all(0 <= p < node for node, p in enumerate(tree.parents) if node > 0)
+                assert all(tree.depths[n] == tree.depths[p] + 1 for n, p in enumerate(tree.parents) if n > 0)
+                assert int(tree.depths.max()) <= settings.steps
+                assert set(tree.tokens[1:].tolist()) <= vocab
+        assert [tree.parents for tree in trees] == [[-1, 0, 1, 2, 3]] * 2  # topk 1: a chain
+        # level 1 of a tree holds the drafter's top-3 tokens after each root
+        wide = speculate.draft_trees(batch, roots, root_logits, root_out, torch.tensor([5, 3]),
+                                     decoder.settings, [None, None])
+        for b, tree in enumerate(wide):
+            top3 = drafter.draft_to_target(root_logits[b].topk(3).indices).tolist()
+            assert sorted(tree.tokens[tree.depths == 1].tolist()) == sorted(top3)
 
 
 # ---------------------------------------------------------------- sampling: the target's distribution
@@ -348,20 +427,28 @@ def test_sampled_speculation_preserves_target_distribution(topk):
     with torch.no_grad():
         model.lm_head.weight.mul_(40.0)  # a target distribution far from uniform, and unlike the drafter's
     settings = DraftSettings(steps=2, topk=topk, temperature=1.0)
-    prompt = [1, 6, 3]
-    out = SpeculativeDecoder(model, drafter, settings).generate(
-        prompt, 400, generator=torch.Generator().manual_seed(topk)
-    )
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + out.tokens])).logits[0, len(prompt) - 1 : -1]
-    p = logits.double().softmax(-1)  # [400, V]: the target's distribution at each generated position
-    deviation = torch.nn.functional.one_hot(torch.tensor(out.tokens), 8).sum(0).double() - p.sum(0)
-    covariance = (torch.diag_embed(p) - p[:, :, None] * p[:, None, :]).sum(0)
+    prompts = [[1, 6, 3], [2], [7, 7, 0, 5], [1, 6, 3]]
+    decoder = SpeculativeDecoder(model, drafter, settings)
+    seeds = [10 * topk + i for i in range(len(prompts))]
+    outs = decoder.generate_batch(
+        prompts, 150, generators=[torch.Generator().manual_seed(seed) for seed in seeds]
+    ).generations
+    deviation, covariance = torch.zeros(8, dtype=torch.double), torch.zeros(8, 8, dtype=torch.double)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out.tokens])).logits[0, len(prompt) - 1 : -1]
+        p = logits.double().softmax(-1)  # [150, V]: the target's distribution at each generated position
+        deviation += torch.nn.functional.one_hot(torch.tensor(out.tokens), 8).sum(0).double() - p.sum(0)
+        covariance += (torch.diag_embed(p) - p[:, :, None] * p[:, None, :]).sum(0)
     statistic = deviation @ torch.linalg.pinv(covariance) @ deviation
     p_value = float(torch.special.gammaincc(torch.tensor(3.5, dtype=torch.double), statistic / 2))
     assert p_value > 1e-3, (statistic, deviation)
     # drafts were both accepted and rejected, and the drafter alone would have produced other counts
-    assert 0 < sum(out.accepted) < len(out.accepted) * settings.steps
+    accepted = [a for out in outs for a in out.accepted]
+    assert 0 < sum(accepted) < len(accepted) * settings.steps
+    # each sequence drew its numbers as it would alone: the batch gives the single-sequence samples
+    alone = decoder.generate(prompts[1], 150, generator=torch.Generator().manual_seed(seeds[1]))
+    assert alone.tokens == outs[1].tokens and alone.accepted == outs[1].accepted
     q_first = drafter.draft_to_target(torch.arange(6))
     assert p.max(-1).values.mean() < 0.9 and len(set(q_first.tolist())) == 6
 
