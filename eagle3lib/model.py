@@ -258,7 +258,7 @@ def _cuda_efficient_forward(q, k, v):
 def _cuda_efficient_backward(grad_out, q, k, v, out, lse):
     T, groups = q.shape[2], kv_groups(q, k)
     # padded as the forward pads it: +inf gives rows past T zero weight, whatever the kernel does with them
-    padded = F.pad(lse.float(), (0, efficient_lse_length(T) - T), value=float("inf")).contiguous()
+    padded = F.pad(lse, (0, efficient_lse_length(T) - T), value=float("inf")).contiguous()
     grad_q, grad_k, grad_v, _ = CudaAttentionOps.efficient_backward(
         last_dim_contiguous(grad_out), *_cuda_inputs(q, k, v), None, last_dim_contiguous(out), padded,
         _unused_rng_state(q, torch.int64, ()), _unused_rng_state(q, torch.int64, ()),

@@ -27,6 +27,11 @@ SGLANG_KEYS = {
 }
 
 
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: make gpu-check runs it")
+CUDA = pytest.param("cuda", marks=NO_CUDA)
+DEVICES = ["cpu", CUDA]
+
+
 def tiny_config(**overrides) -> DrafterConfig:
     fields = dict(
         hidden_size=32,
@@ -149,9 +154,11 @@ def test_norm_before_residual_changes_the_output():
 # ----------------------------------------------------------------------------- speculators 0.9.0 fixtures
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["speculators_tiny", "sglang_tiny"])
-def test_step0_and_ttt_match_speculators(name):
+def test_step0_and_ttt_match_speculators(name, device):
     drafter, ref = fixture_drafter(name)
+    drafter, ref = drafter.to(device), {key: value.to(device) for key, value in ref.items()}
     with torch.no_grad():
         torch.testing.assert_close(drafter.fc(ref["hidden_states"]), ref["fc_out"], atol=1e-6, rtol=1e-6)
         logits = drafter(ref["input_ids"], ref["hidden_states"])  # default positions 1..T
@@ -347,7 +354,7 @@ def masked_reference_attention(q, prefix_keys, prefix_values, keys, values):
     T = q.shape[2]
     all_keys = torch.cat([prefix_keys, *keys], 2).repeat_interleave(groups, 1)
     all_values = torch.cat([prefix_values, *values], 2).repeat_interleave(groups, 1)
-    mask = torch.cat([torch.ones(T, T).tril(), *[torch.eye(T)] * len(keys)], 1).bool()
+    mask = torch.cat([torch.ones(T, T).tril(), *[torch.eye(T)] * len(keys)], 1).bool().to(q.device)
     scores = (q @ all_keys.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~mask, float("-inf"))
     return scores.softmax(-1) @ all_values
 
@@ -398,7 +405,8 @@ def test_blocked_causal_attention_matches_the_fused_kernel(score_elements, monke
         torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0)
 
 
-def test_unroll_gradients_match_the_masked_reference_in_bfloat16_autocast():
+@pytest.mark.parametrize("device", DEVICES)
+def test_unroll_gradients_match_the_masked_reference_in_bfloat16_autocast(device):
     """The trainer's setting, bf16 autocast over float32 weights: gradients as with masked attention."""
     import eagle3lib.model as model
 
@@ -407,12 +415,12 @@ def test_unroll_gradients_match_the_masked_reference_in_bfloat16_autocast():
         cache.values.append(v)
         return masked_reference_attention(q, cache.keys[0], cache.values[0], cache.keys[1:], cache.values[1:])
 
-    drafter = tiny_drafter()
-    input_ids, aux = torch.randint(0, 64, (2, 12)), torch.randn(2, 12, 120)
+    drafter = tiny_drafter().to(device)
+    input_ids, aux = torch.randint(0, 64, (2, 12), device=device), torch.randn(2, 12, 120, device=device)
 
     def gradients():
         drafter.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             logits, _ = drafter.unroll(input_ids, aux, steps=4)
         logits.float().logsumexp(-1).sum().backward()
         return {name: p.grad.clone() for name, p in drafter.named_parameters()}
@@ -427,3 +435,214 @@ def test_unroll_gradients_match_the_masked_reference_in_bfloat16_autocast():
     for name, grad in fused.items():
         scale = reference[name].abs().max()
         assert (grad - reference[name]).abs().max() <= 0.02 * scale, name
+
+
+# ------------------------------------------------------------------------- TTT attention kernels by device
+
+
+def masked_attention_on_cpu(q, kv, dtype=torch.float64):
+    """`masked_reference_attention` of TTT inputs (q, keys of steps 0..n, values of steps 0..n) on the CPU in
+    `dtype`, and its leaves in that order."""
+    leaves = [x.detach().cpu().to(dtype).requires_grad_() for x in (q, *kv)]
+    steps = len(kv) // 2
+    keys, values = leaves[1 : 1 + steps], leaves[1 + steps :]
+    return masked_reference_attention(leaves[0], keys[0], values[0], keys[1:], values[1:]), leaves
+
+
+def test_prefix_kernel_is_chosen_by_device_and_support(monkeypatch):
+    """Device type picks the list of fused kernels; on CUDA torch's SDPA checks decide between flash, the
+    memory-efficient kernel and the blocked path, asked about the inputs as the kernel will get them."""
+    from eagle3lib import model
+
+    assert model.FUSED_PREFIX_KERNELS["cuda"] == (model.CUDA_FLASH_KERNEL, model.CUDA_EFFICIENT_KERNEL)
+    q, k, v = ttt_attention_inputs(1, T=5)[:3]  # 6 query heads over 2 key heads
+    assert model.prefix_attention_kernel(q, k, v) is model.CPU_FLASH_KERNEL
+    meta = [x.to("meta") for x in (q, k, v)]
+    assert model.prefix_attention_kernel(*meta) is model.BLOCKED_KERNEL  # no fused kernel on this device
+
+    usable, asked = {}, []
+
+    def answer(kind):
+        def can_use(params):
+            asked.append((kind, params.key.shape, params.value.shape, params.is_causal))
+            return usable[kind]
+
+        return can_use
+
+    monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention", answer("flash"))
+    monkeypatch.setattr(torch.backends.cuda, "can_use_efficient_attention", answer("efficient"))
+    monkeypatch.setitem(model.FUSED_PREFIX_KERNELS, "cpu", model.FUSED_PREFIX_KERNELS["cuda"])  # CPU tensors
+    for flash, efficient, expected in [
+        (True, True, model.CUDA_FLASH_KERNEL),
+        (False, True, model.CUDA_EFFICIENT_KERNEL),
+        (False, False, model.BLOCKED_KERNEL),
+    ]:
+        usable.update(flash=flash, efficient=efficient)
+        asked.clear()
+        assert model.prefix_attention_kernel(q, k, v) is expected
+        assert asked[0] == ("flash", q.shape, q.shape, True)  # key heads expanded to the query heads
+    with model.forced_prefix_kernel(model.BLOCKED_KERNEL):
+        assert model.prefix_attention_kernel(q, k, v) is model.BLOCKED_KERNEL
+    usable.update(flash=True)
+    assert model.prefix_attention_kernel(q, k, v) is model.CUDA_FLASH_KERNEL  # the forced kernel is undone
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kernel_name", ["CUDA_FLASH_KERNEL", "CUDA_EFFICIENT_KERNEL"])
+def test_cuda_kernels_call_the_real_ops_as_their_schemas_say(kernel_name, dtype):
+    """The real CUDA ops on meta tensors: torch binds every argument against the op's schema and its meta
+    function gives the shapes the CUDA kernel would (the efficient kernel's log-sum-exp padded to 64 rows)."""
+    from eagle3lib import model
+
+    kernel = getattr(model, kernel_name)
+    q = torch.empty(2, 6, 40, 16, device="meta", dtype=dtype)
+    k, v = (torch.empty(2, 2, 40, 16, device="meta", dtype=dtype) for _ in range(2))
+    out, lse = kernel.forward(q, k, v)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, dtype, (2, 6, 40), torch.float32)
+    grads = kernel.backward(torch.empty_like(out), q, k, v, out, lse)
+    assert [(g.shape, g.dtype) for g in grads] == [(q.shape, dtype), (k.shape, dtype), (v.shape, dtype)]
+
+
+CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+class StandInCudaOps:
+    """The CUDA ops' signatures (checked against their schemas) and output conventions, computed by the CPU's
+    fused kernel: the CUDA kernels' own code (head expansion, argument order, log-sum-exp padding, gradient
+    sums) runs on the CPU, exactly in float64."""
+
+    calls: list[str] = []
+
+    @staticmethod
+    def flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+        assert key.shape == query.shape and dropout_p == 0.0 and is_causal and not return_debug_mask
+        StandInCudaOps.calls.append("flash")
+        out, lse = CPU_FLASH(query, key, value, is_causal=True)
+        T, empty = query.shape[2], torch.empty(0)
+        return out, lse, None, None, T, T, torch.zeros(2, dtype=torch.uint64), torch.zeros(()), empty
+
+    @staticmethod
+    def flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+                       dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+        T = query.shape[2]
+        assert (cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal) == (None, None, T, T, 0.0, True)
+        assert logsumexp.shape == query.shape[:3] and logsumexp.is_contiguous()
+        StandInCudaOps.calls.append("flash_backward")
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, query, key, value, out, logsumexp, 0.0, True
+        )
+
+    @staticmethod
+    def efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *,
+                  scale=None):
+        assert key.shape == query.shape and attn_bias is None and compute_log_sumexp and is_causal
+        from eagle3lib.model import efficient_lse_length
+
+        StandInCudaOps.calls.append("efficient")
+        out, lse = CPU_FLASH(query, key, value, is_causal=True)
+        padding = efficient_lse_length(query.shape[2]) - query.shape[2]
+        lse = torch.nn.functional.pad(lse, (0, padding), value=float("nan"))  # the kernel's own padding
+        return out, lse, torch.zeros(()), torch.zeros(())
+
+    @staticmethod
+    def efficient_backward(grad_out_, query, key, value, attn_bias, out, logsumexp, philox_seed,
+                           philox_offset, dropout_p, grad_input_mask, is_causal=False, *, scale=None):
+        from eagle3lib.model import efficient_lse_length
+
+        T = query.shape[2]
+        assert attn_bias is None and dropout_p == 0.0 and list(grad_input_mask) == [True, True, True, False]
+        assert logsumexp.shape == (*query.shape[:2], efficient_lse_length(T)) and is_causal
+        assert torch.isinf(logsumexp[..., T:]).all()  # padded rows weigh nothing
+        StandInCudaOps.calls.append("efficient_backward")
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out_, query, key, value, out, logsumexp[..., :T].contiguous(), 0.0, True
+        )
+        return *grads, None
+
+
+@pytest.mark.parametrize("op", ["flash", "flash_backward", "efficient", "efficient_backward"])
+def test_stand_in_cuda_ops_have_the_real_signatures(op):
+    import inspect
+
+    from eagle3lib.model import CudaAttentionOps
+
+    schema = getattr(CudaAttentionOps, op)._schema
+    parameters = inspect.signature(getattr(StandInCudaOps, op)).parameters.values()
+    assert [(p.name, p.kind == p.KEYWORD_ONLY) for p in parameters] == [
+        (a.name, a.kwarg_only) for a in schema.arguments
+    ]
+
+
+@pytest.mark.parametrize("kernel_name", ["CUDA_FLASH_KERNEL", "CUDA_EFFICIENT_KERNEL"])
+def test_cuda_kernel_code_with_stand_in_ops_is_exact(kernel_name, monkeypatch):
+    """PrefixAndDiagonalsAttention on a CUDA kernel's code, its ops stood in for by the CPU's: output and
+    gradients as the masked softmax's, to float64 rounding."""
+    from eagle3lib import model
+
+    for op in ("flash", "flash_backward", "efficient", "efficient_backward"):
+        monkeypatch.setattr(model.CudaAttentionOps, op, getattr(StandInCudaOps, op))
+    StandInCudaOps.calls.clear()
+    steps = 3
+    q, *kv = [t.requires_grad_() for t in ttt_attention_inputs(steps, T=37)]  # lse padding: 37 -> 64 rows
+    keys, values = kv[:steps], kv[steps:]
+    with model.forced_prefix_kernel(getattr(model, kernel_name)):
+        out = model.PrefixAndDiagonalsAttention.apply(q, keys[0], values[0], *keys[1:], *values[1:])
+        grad_out = torch.randn_like(out)
+        grads = torch.autograd.grad(out, [q, *kv], grad_out)
+    op = "flash" if kernel_name == "CUDA_FLASH_KERNEL" else "efficient"
+    assert StandInCudaOps.calls == [op, f"{op}_backward"]
+    reference = masked_reference_attention(q, keys[0], values[0], keys[1:], values[1:])
+    torch.testing.assert_close(out, reference, atol=1e-12, rtol=0)
+    reference_grads = torch.autograd.grad(reference, [q, *kv], grad_out)
+    for i, (grad, expected) in enumerate(zip(grads, reference_grads, strict=True)):
+        torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0, msg=f"gradient of input {i}")
+
+
+# max |error| / max |reference| of the TTT attention against a float64 masked softmax
+ATTENTION_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_blocked_and_masked_attention_agree_on(device, dtype):
+    """The TTT attention of step 3 on the device's fused kernel and on the blocked path, forward and backward,
+    against the masked softmax in float64 (of the same rounded inputs)."""
+    from eagle3lib import model
+
+    steps = 4
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 70, 16, generator=generator).to(device, dtype)  # 8 query heads over 2 key heads
+    kv = [torch.randn(2, 2, 70, 16, generator=generator).to(device, dtype) for _ in range(2 * steps)]
+    keys, values = kv[:steps], kv[steps:]
+    fused = model.prefix_attention_kernel(q, keys[0], values[0])
+    assert fused in model.FUSED_PREFIX_KERNELS[device]
+    reference, leaves = masked_attention_on_cpu(q, kv)
+    grad_out = torch.randn(reference.shape, generator=generator, dtype=torch.float64)
+    expected = [reference, *torch.autograd.grad(reference, leaves, grad_out)]
+    names = ["out", "q", *(f"k{i}" for i in range(steps)), *(f"v{i}" for i in range(steps))]
+    for kernel in (fused, model.BLOCKED_KERNEL):
+        inputs = [x.clone().requires_grad_() for x in (q, *kv)]
+        q_, keys_, values_ = inputs[0], inputs[1 : 1 + steps], inputs[1 + steps :]
+        with model.forced_prefix_kernel(kernel):
+            out = model.PrefixAndDiagonalsAttention.apply(q_, keys_[0], values_[0], *keys_[1:], *values_[1:])
+            grads = torch.autograd.grad(out, inputs, grad_out.to(device, dtype))
+        for name, got, want in zip(names, [out, *grads], expected, strict=True):
+            assert got.dtype == dtype and got.device.type == device
+            error = float((got.double().cpu() - want).abs().max() / want.abs().max())
+            assert error <= ATTENTION_TOLERANCE[dtype], f"{kernel.name} {dtype}: {name} off by {error:.1e}"
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_greedy_speculation_is_lossless_in_float32_on(device):
+    """Chain and tree drafting on the device: exactly the target's own greedy tokens (test_speculate's
+    random pair; its CPU tests are there)."""
+    from eagle3lib import speculate
+    from tests.test_speculate import SETTINGS, random_pair
+
+    target, drafter = random_pair(vocab=64, draft_vocab=24)
+    target, drafter = target.to(device), drafter.to(device)
+    for name in ("chain-3", "tree-4x3-8"):
+        decoder = speculate.SpeculativeDecoder(target, drafter, SETTINGS[name])
+        for prompt in ([1, 2, 3], [60, 7, 7, 41, 9, 0]):
+            expected = speculate.generate_target_only(target, prompt, 40).tokens
+            assert decoder.generate(prompt, 40).tokens == expected, f"{name}, prompt {prompt}"
