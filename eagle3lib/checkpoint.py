@@ -15,13 +15,18 @@ config or themselves are refused in either mode: the engines load such checkpoin
 unknown keys and keeps missing ones random), this loader never does.
 
 Weights are read from `model.safetensors`, sharded safetensors with `model.safetensors.index.json`,
-`pytorch_model.bin` (or its sharded index), loaded with `weights_only=True`, or SpecForge's
-`training_state.pt`. SpecForge writes that file next to `model.safetensors`, and it holds the optimizer
-and scheduler state (`epoch`, `global_step`, `args`, `optimizer_state_dict`, `scheduler_state_dict`), not
-the weights; it is summarised in the report, and used as the weight source only when a tensor state dict
-is inside it and no other weight file is present.
+`pytorch_model.bin` (or its sharded index), loaded with `weights_only=True`, or a SpecForge
+`training_state.pt`. SpecForge 0.2's `CheckpointManager` writes `{run}-step{N}/training_state.pt` alone:
+the weights under `draft_state_dict` (no embedding), no config.json, so the run's draft config JSON is given
+(`config=`, `--config`) or found beside it (the step folder, then the run folder). Older trainers wrote that
+file next to `model.safetensors` with only optimizer and scheduler state; it is then summarised in the report
+and the weights come from `model.safetensors`.
 
-`save_drafter` writes a temporary folder beside the destination and renames it into place.
+`save_drafter` writes a temporary folder beside the destination and renames it into place. A speculators-
+layout save carries the token embedding (the drafter's own or the attached target's), as speculators itself
+saves it: speculators loads a checkpoint without one with a NaN embedding and no warning. `convert` and
+`save_drafter(..., engines=...)` refuse an export that a project reading that layout would compute
+differently (`DrafterConfig.engine_mismatches`), unless `allow_engine_mismatch`.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import argparse
 import json
 import os
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,12 +43,21 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3lib.config import LAYOUTS, DrafterConfig, aux_ids_to_vllm, read_config, write_config
+from eagle3lib.config import (
+    LAYOUT_READERS,
+    LAYOUTS,
+    DrafterConfig,
+    aux_ids_to_vllm,
+    read_config,
+    write_config,
+)
 from eagle3lib.model import Eagle3Drafter
 from eagle3lib.runs import staged_folder
 from eagle3lib.vocab import VocabMap
 
 VOCAB_MAP_KEYS = ("d2t", "t2d")
+# Where a training_state.pt keeps the drafter's weights: SpecForge 0.2's CheckpointManager, then older forms.
+TRAINING_STATE_WEIGHT_KEYS = ("draft_state_dict", "model", "model_state_dict", "state_dict", "draft_model")
 SPECULATORS_PREFIX, SGLANG_PREFIX = "layers.0.", "midlayer."
 # Weight sources, in the order they are preferred when a folder holds several.
 WEIGHT_FILES = (
@@ -222,13 +237,13 @@ def _read_training_state(file: Path) -> tuple[dict[str, torch.Tensor], list[str]
     if not isinstance(state, dict):
         raise CheckpointError(f"{file}: expected a dict, got {type(state).__name__}")
     tensors = _tensor_dict(state)
-    for key in ("model", "model_state_dict", "state_dict", "draft_model"):
+    for key in TRAINING_STATE_WEIGHT_KEYS:
         tensors = tensors or _tensor_dict(state.get(key))
     if tensors is None:
         raise CheckpointError(
-            f"{file}: holds no model weights (keys: {', '.join(sorted(map(str, state)))}); SpecForge keeps "
-            "optimizer and scheduler state there and writes the weights beside it as model.safetensors: load "
-            "the folder"
+            f"{file}: holds no model weights (keys: {', '.join(sorted(map(str, state)))}; weights are looked "
+            f"for under {', '.join(TRAINING_STATE_WEIGHT_KEYS)}); an older SpecForge kept only optimizer and "
+            "scheduler state there, with the weights beside it in model.safetensors"
         )
     # SpecForge's training wrapper names the drafter "draft_model"
     tensors = {key.removeprefix("draft_model."): value for key, value in tensors.items()}
@@ -321,17 +336,40 @@ def _common_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:
     return sizes.most_common(1)[0][0] if sizes else torch.float32
 
 
+def config_source(folder: Path, config: str | os.PathLike | None) -> tuple[Path, list[str]]:
+    """The config.json that describes the checkpoint in `folder`, with a note when it is not the folder's:
+    `config` when given, else `folder/config.json`, else (a SpecForge 0.2 step folder) the run folder's."""
+    if config is not None:
+        return Path(config), [f"config from {config}"]
+    if (folder / "config.json").is_file():
+        return folder, []
+    beside = folder.parent / "config.json"
+    if (folder / "training_state.pt").is_file() and beside.is_file():
+        return beside, [f"config from the run folder: {beside}"]
+    raise CheckpointError(
+        f"{folder}: no config.json (nor {beside}); a SpecForge 0.2 training checkpoint carries none: give "
+        "the run's draft config JSON (--config PATH, or config=PATH)"
+    )
+
+
 def load_drafter(
-    path: str | os.PathLike, *, strict: bool = True, dtype: torch.dtype | None = None
+    path: str | os.PathLike,
+    *,
+    strict: bool = True,
+    dtype: torch.dtype | None = None,
+    config: str | os.PathLike | None = None,
 ) -> tuple[Eagle3Drafter, LoadReport]:
     """Load a drafter checkpoint (folder, or one of its weight files) → (drafter, report).
 
-    `dtype` casts every weight; by default they keep the checkpoint's dtype (the most common one when
-    several are mixed, with a note).
+    `config` is the config.json (or its folder) to use when the checkpoint has none beside its weights, as
+    SpecForge 0.2 training checkpoints do. `dtype` casts every weight; by default they keep the
+    checkpoint's dtype (the most common one when several are mixed, with a note).
     """
     path = Path(path)
     folder = _folder(path)
-    config, layout, notes = read_config(folder)
+    config_path, config_notes = config_source(folder, config)
+    config, layout, notes = read_config(config_path)
+    notes = config_notes + notes
     weights_file, source_notes = _weight_sources(path)
     tensors, files, read_notes = read_tensors(weights_file)
     if weights_file.name != "training_state.pt" and (folder / "training_state.pt").is_file():
@@ -410,8 +448,12 @@ def _initialise_missing(drafter: Eagle3Drafter, dtype: torch.dtype) -> None:
 # ----------------------------------------------------------------------------- saving
 
 
-def checkpoint_tensors(drafter: Eagle3Drafter, layout: str) -> dict[str, torch.Tensor]:
-    """The drafter's tensors under `layout`'s key names (an attached target embedding is never included)."""
+def checkpoint_tensors(
+    drafter: Eagle3Drafter, layout: str, require_embedding: bool = True
+) -> dict[str, torch.Tensor]:
+    """The drafter's tensors under `layout`'s key names. The speculators layout also gets the attached target
+    embedding as `embed_tokens.weight` (speculators saves and needs it; without one, and with
+    `require_embedding`, it is refused); the SGLang layout never does (SGLang and vLLM take the target's)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
     tensors = {}
@@ -420,18 +462,44 @@ def checkpoint_tensors(drafter: Eagle3Drafter, layout: str) -> dict[str, torch.T
         if layout == "speculators" and name.startswith(SGLANG_PREFIX):
             key = SPECULATORS_PREFIX + name.removeprefix(SGLANG_PREFIX)
         tensors[key] = tensor.detach().to("cpu").contiguous().clone()
+    if layout == "speculators" and "embed_tokens.weight" not in tensors:
+        embedding = getattr(drafter, "target_embedding", None)
+        if embedding is not None:
+            weight_dtype = drafter.lm_head.weight.dtype
+            tensors["embed_tokens.weight"] = embedding.detach().to("cpu", weight_dtype).clone()
+        elif require_embedding:
+            raise CheckpointError(
+                "a speculators-layout checkpoint needs the target's token embedding (speculators loads "
+                "one without embed_tokens.weight with a NaN embedding and no warning); this drafter carries "
+                "none: attach the target's (drafter.attach_embedding, or --target on eagle3 convert)"
+            )
     return tensors
 
 
 def save_drafter(
-    drafter: Eagle3Drafter, path: str | os.PathLike, layout: str = "sglang", *, overwrite: bool = False
+    drafter: Eagle3Drafter,
+    path: str | os.PathLike,
+    layout: str = "sglang",
+    *,
+    overwrite: bool = False,
+    engines: Sequence[str] | None = None,
+    allow_engine_mismatch: bool = False,
 ) -> Path:
     """Write `path/` (config.json + model.safetensors) in `layout`, atomically: a temporary folder beside
-    it is filled, then renamed into place. An existing folder is refused unless `overwrite`."""
+    it is filled, then renamed into place. An existing folder is refused unless `overwrite`.
+
+    eagle3lib reads back everything it writes, so its own checkpoints (`engines=None`) are saved whatever the
+    engines do. An export names the projects it is for (`engines`, e.g. `LAYOUT_READERS[layout]`) and is
+    refused (EngineMismatchError) when one of them would compute something else, unless
+    `allow_engine_mismatch` (`convert` reports them). A speculators-layout save needs the
+    token embedding unless it is for vLLM alone (vLLM takes the target's)."""
     path = Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; refusing to overwrite a checkpoint (pass overwrite=True)")
-    tensors = checkpoint_tensors(drafter, layout)
+    if engines is not None:
+        drafter.config.check_engines(layout, f"export to {path}", allow_engine_mismatch, engines)
+    for_speculators = engines is None or "speculators" in engines
+    tensors = checkpoint_tensors(drafter, layout, require_embedding=for_speculators)
     _check_finite(tensors, f"drafter to be saved at {path}")
     VocabMap.from_pair(tensors["d2t"], tensors["t2d"], f"drafter to be saved at {path}").check_vt(
         drafter.config.vocab_size, "the config"
@@ -444,23 +512,54 @@ def save_drafter(
 
 
 def convert(
-    src: str | os.PathLike, dst: str | os.PathLike, layout: str, *, overwrite: bool = False
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    layout: str,
+    *,
+    overwrite: bool = False,
+    config: str | os.PathLike | None = None,
+    target: str | os.PathLike | None = None,
+    allow_engine_mismatch: bool = False,
+    engines: Sequence[str] | None = None,
 ) -> LoadReport:
-    """Load `src` strictly and write it to `dst` in `layout`; returns the load report."""
-    drafter, report = load_drafter(src, strict=True)
-    save_drafter(drafter, dst, layout, overwrite=overwrite)
+    """Load `src` strictly (with `config` when it has none beside it) and export it to `dst` in `layout` for
+    `engines` (default: every project that reads `layout`, `LAYOUT_READERS`); returns the load report, with
+    the export's notes added.
+
+    `target` (a Hugging Face folder, a data folder or target_head.safetensors: see
+    `remap.load_target_head`) supplies the token embedding a speculators-layout export needs when the
+    checkpoint carries none, and, when it is a model folder, the verifier name speculators records."""
+    drafter, report = load_drafter(src, strict=True, config=config)
+    if target is not None:
+        from eagle3lib.remap import load_target_head  # remap imports this module
+
+        if not drafter.owns_embedding:
+            drafter.attach_embedding(load_target_head(target)["embed_tokens.weight"])
+        if (Path(target) / "config.json").is_file():
+            drafter.config.verifier = str(Path(target).resolve())
+    engines = LAYOUT_READERS[layout] if engines is None else engines
+    where = f"export of {src} to {dst}"
+    report.notes += drafter.config.check_engines(layout, where, allow_engine_mismatch, engines)
+    allow = allow_engine_mismatch
+    save_drafter(drafter, dst, layout, overwrite=overwrite, engines=engines, allow_engine_mismatch=allow)
+    if layout == "speculators" and not drafter.config.verifier:
+        report.notes.append(
+            "verifier.name_or_path unknown: written as null (speculators then attaches no verifier); give "
+            "the target's model folder (--target) to record it"
+        )
     return report
 
 
 # ----------------------------------------------------------------------------- inspection
 
 
-def inspect_checkpoint(path: str | os.PathLike) -> dict:
-    """Everything `eagle3 inspect` shows: layout, architecture, tensors, vocab-map sanity, load report.
+def inspect_checkpoint(path: str | os.PathLike, config: str | os.PathLike | None = None) -> dict:
+    """Everything `eagle3 inspect` shows: layout, architecture, tensors, vocab-map sanity, load report,
+    and which projects compute the checkpoint faithfully.
 
     Loads non-strictly so that a broken checkpoint is described rather than refused (unreadable files,
     NaN/Inf and contradictory vocab maps still raise)."""
-    drafter, report = load_drafter(path, strict=False)
+    drafter, report = load_drafter(path, strict=False, config=config)
     c = drafter.config
     vocab = VocabMap.from_pair(drafter.d2t, drafter.t2d, str(path))
     vocab_missing = any(key in report.missing for key in VOCAB_MAP_KEYS)
@@ -481,6 +580,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict:
         "embedding": "carried by the checkpoint" if drafter.owns_embedding else "from the target",
         "tensors": report.tensors,
         "vocab_map": sanity,
+        "engines": engine_faithfulness(c, report.layout),
         "report": report.to_dict(),
         "report_text": str(report),
     }
@@ -488,9 +588,10 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict:
 
 def format_inspection(info: dict) -> str:
     c = info["config"]
-    flags = ", ".join(
-        f"{k} {c[k]}" for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+    flag_names = (
+        "norm_before_residual", "fc_norm", "norm_before_lm_head", "feed_normed_hidden", "norm_before_fc"
     )
+    flags = ", ".join(f"{k} {c[k]}" for k in flag_names)
     lines = [
         f"{info['path']}: {info['layout']} layout",
         f"  H {c['hidden_size']}, heads {c['num_attention_heads']} ({c['num_key_value_heads']} KV) x "
@@ -509,5 +610,23 @@ def format_inspection(info: dict) -> str:
         f"vocab map: {v['status']}; Vd {v['vd']} of Vt {v['vt']}, draft ids {v['first_draft_ids']} ... "
         f"{v['last_draft_ids']}, {v['identity_positions']} positions where draft id = target id"
     )
+    lines.append("engines reading this layout:")
+    for engine, reasons in info["engines"].items():
+        verdict = "faithful" if not reasons else "COMPUTES ANOTHER FUNCTION: " + "; ".join(reasons)
+        lines.append(f"  {engine}: {verdict}")
     lines.append("load report: " + info["report_text"])
     return "\n".join(lines)
+
+
+def engine_faithfulness(config: DrafterConfig, layout: str) -> dict[str, list[str]]:
+    """For each project that reads `layout`, why it computes this checkpoint differently (empty: faithful).
+    An SGLang-layout config's aux ids are not read by vLLM, which then takes its defaults (FORMATS.md §2)."""
+    mismatches = config.engine_mismatches()
+    engines = {engine: list(mismatches[engine]) for engine in LAYOUT_READERS[layout]}
+    if layout == "sglang" and config.aux_layer_ids is not None:
+        engines["vLLM"].append(
+            "reads no aux ids from this layout (uses its defaults 2, N//2, N-3 = eagle3lib [1, N//2-1, "
+            f"N-4], not {config.aux_layer_ids} unless they are the target's defaults); serve a "
+            "speculators-layout copy"
+        )
+    return engines

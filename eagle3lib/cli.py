@@ -124,27 +124,41 @@ def _remap(args: argparse.Namespace) -> int:
     return 0
 
 
+CONFIG_HELP = ("the drafter's config.json when the checkpoint has none beside it (a SpecForge 0.2 "
+               "{run}-step{N}/training_state.pt: the run's draft config JSON)")
+
+
 def _inspect_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", help="a drafter checkpoint folder (SGLang or speculators layout)")
+    p.add_argument("path", help="a drafter checkpoint folder (SGLang or speculators layout) or a SpecForge "
+                   "training_state.pt")
+    p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--json", action="store_true", help="print everything as JSON")
 
 
-@command("inspect", "describe a drafter checkpoint: layout, config, tensors, vocab map", _inspect_arguments)
+@command("inspect", "describe a drafter checkpoint: layout, config, tensors, vocab map, engines that compute "
+         "it faithfully", _inspect_arguments)
 def _inspect(args: argparse.Namespace) -> int:
     import json
 
     from eagle3lib import checkpoint
 
-    info = checkpoint.inspect_checkpoint(args.path)
+    info = checkpoint.inspect_checkpoint(args.path, config=args.config)
     print(json.dumps(info, indent=2) if args.json else checkpoint.format_inspection(info))
     return 0 if info["report"]["ok"] else 1
 
 
 def _convert_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", help="a drafter checkpoint folder")
+    p.add_argument("src", help="a drafter checkpoint folder or a SpecForge training_state.pt")
     p.add_argument("--to", required=True, choices=["sglang", "speculators"], help="the layout to write")
     p.add_argument("-o", "--output", required=True, help="the new checkpoint folder (must not exist)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument("--target", help="the target (Hugging Face folder, data folder or "
+                   "target_head.safetensors): its embedding for a speculators-layout export of a drafter "
+                   "without one; a model folder is also recorded as verifier.name_or_path")
+    p.add_argument("--allow-engine-mismatch", action="store_true",
+                   help="write even when an engine reading that layout would compute something else (e.g. "
+                   "norm_before_residual=true, which SGLang and SpecForge ignore)")
 
 
 @command("convert", "rewrite a drafter checkpoint in the SGLang or speculators layout", _convert_arguments)
@@ -152,11 +166,16 @@ def _convert(args: argparse.Namespace) -> int:
     from eagle3lib import checkpoint
 
     try:
-        report = checkpoint.convert(args.src, args.output, args.to, overwrite=args.overwrite)
+        report = checkpoint.convert(
+            args.src, args.output, args.to, overwrite=args.overwrite, config=args.config,
+            target=args.target, allow_engine_mismatch=args.allow_engine_mismatch,
+        )
     except FileExistsError as err:
         print(f"eagle3 convert: error: {err}", file=sys.stderr)
         return 2
     print(f"eagle3 convert: {report.path} ({report.layout}; {report.summary()}) → {args.output} ({args.to})")
+    for note in report.notes:
+        print(f"eagle3 convert: note: {note}")
     return 0
 
 

@@ -16,12 +16,23 @@ lacks it: SGLang has no such option (it behaves as False) and vLLM's Llama EAGLE
 key as False, so an SGLang-layout config without the key means False; vLLM's speculators config reader
 fills in True (the speculators class itself defaults to False), and vLLM is what serves that layout, so a
 speculators-layout config without the key means True. Either assumption is reported as a note.
+
+`norm_output` means different things per project (FORMATS.md §2), so eagle3lib keeps two flags of its own:
+- `norm_before_lm_head`: logits = lm_head(norm(out)) rather than lm_head(out). SpecForge's `norm_output`
+  (default true) is this flag; SGLang, vLLM and speculators always apply the norm.
+- `feed_normed_hidden` (EAGLE-3.1): the state fed to the next draft step is norm(out), not out. speculators',
+  vLLM's and SGLang's `norm_output` (default false) is this flag; SpecForge always feeds `out`.
+An SGLang-layout config is read by SGLang, vLLM and SpecForge alike, so a standard drafter is written
+without `norm_output` (each project's default is then the standard computation) and any other combination
+is written with the key eagle3lib reads back (`FEED_NORMED_KEY`) plus the `norm_output` value most engines
+agree on; `engine_mismatches` says which project computes something else.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +46,15 @@ LAYOUTS = ("sglang", "speculators")
 # speculators → sglang → speculators loses nothing. Not "speculators_config": vLLM reads any config with
 # that key as the speculators layout.
 SPECULATION_KEY = "eagle3lib_speculation"
+# Which state an SGLang-layout drafter feeds to its next step, as eagle3lib wrote it: "norm_output" alone is
+# ambiguous there (SpecForge reads it as "norm before lm_head", SGLang and vLLM as "feed post-norm states").
+FEED_NORMED_KEY = "eagle3lib_feed_normed_hidden"
+# The speculators layout has no flag for logits without the final norm; eagle3lib writes this one for it.
+NORM_BEFORE_LM_HEAD_KEY = "eagle3lib_norm_before_lm_head"
+# The projects that compute a drafter from each layout's files.
+LAYOUT_READERS = {"sglang": ("SGLang", "vLLM", "SpecForge"), "speculators": ("vLLM", "speculators")}
+# SGLang, vLLM and SpecForge build `fc` as 3 x target_hidden_size, whatever the config says.
+ENGINE_AUX_LAYERS = 3
 
 # RoPE variants whose frequencies depend only on the config (computed with transformers' own functions);
 # "dynamic" and "longrope" change with the sequence length and are refused.
@@ -43,6 +63,10 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 class ConfigError(ValueError):
     """A drafter config that is malformed, contradicts itself, or asks for something eagle3lib cannot do."""
+
+
+class EngineMismatchError(ConfigError):
+    """An export that a serving or training project reading that layout would compute differently."""
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -82,10 +106,11 @@ class DrafterConfig:
     target_hidden_size: int | None = None  # Ht; None means H
     aux_layer_ids: list[int] | None = None  # eagle3lib numbering; None = the engine's default for the target
     norm_before_residual: bool = False  # residual is hidden_norm(h) instead of h (speculators/vLLM option)
-    # Options eagle3lib cannot honour yet: refused when set, never ignored.
+    fc_norm: bool = False  # EAGLE-3.1: an RMSNorm on each aux state (width Ht) before `fc`
+    norm_before_lm_head: bool = True  # logits = lm_head(norm(out)); SpecForge's norm_output
+    feed_normed_hidden: bool = False  # EAGLE-3.1: norm(out) is fed to the next step; speculators' norm_output
+    # An option eagle3lib cannot honour yet: refused when set, never ignored.
     norm_before_fc: bool = False
-    fc_norm: bool = False
-    norm_output: bool = False
     num_hidden_layers: int = 1
     hidden_act: str = "silu"
     # speculators_config fields, kept so speculators → sglang → speculators keeps them.
@@ -120,17 +145,16 @@ class DrafterConfig:
 
     def check(self, where: str = "DrafterConfig") -> None:
         """Raise ConfigError naming `where` and the option for anything malformed or unsupported."""
-        refused = {
-            "norm_before_fc": self.norm_before_fc,
-            "fc_norm": self.fc_norm,
-            "norm_output": self.norm_output,
-        }
-        for option, value in refused.items():
-            if value:
-                raise ConfigError(
-                    f"{where}: {option}=true is not supported by eagle3lib's drafter (it would compute "
-                    "something else than the checkpoint was trained for); refusing instead of ignoring it"
-                )
+        if self.norm_before_fc:
+            raise ConfigError(
+                f"{where}: norm_before_fc=true is not supported by eagle3lib's drafter (it would compute "
+                "something else than the checkpoint was trained for); refusing instead of ignoring it"
+            )
+        if self.feed_normed_hidden and not self.norm_before_lm_head:
+            raise ConfigError(
+                f"{where}: a drafter that feeds norm(out) forward (EAGLE-3.1) and takes logits without the "
+                "final norm exists in no reference project; refusing the combination"
+            )
         if self.num_hidden_layers != 1:
             raise ConfigError(
                 f"{where}: num_hidden_layers={self.num_hidden_layers}; eagle3lib supports one-layer "
@@ -176,6 +200,53 @@ class DrafterConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def engine_mismatches(self) -> dict[str, list[str]]:
+        """For each project (SGLang, vLLM, SpecForge, speculators), why it would compute another function
+        than this drafter's, read from its code (FORMATS.md §2); an empty list means it is faithful."""
+        reasons: dict[str, list[str]] = {"SGLang": [], "vLLM": [], "SpecForge": [], "speculators": []}
+        if self.num_aux_layers != ENGINE_AUX_LAYERS:
+            for engine in ("SGLang", "vLLM", "SpecForge"):
+                reasons[engine].append(
+                    f"{self.num_aux_layers} aux layers: it builds fc for {ENGINE_AUX_LAYERS} x "
+                    "target_hidden_size"
+                )
+        if self.norm_before_residual:
+            for engine in ("SGLang", "SpecForge"):
+                reasons[engine].append(
+                    "ignores norm_before_residual=true (takes the residual before hidden_norm)"
+                )
+        if not self.norm_before_lm_head:
+            for engine in ("SGLang", "vLLM", "speculators"):
+                reasons[engine].append("always applies the final norm before lm_head (this drafter does not)")
+        if self.feed_normed_hidden:
+            reasons["SpecForge"].append(
+                "always feeds the pre-norm state to the next step (this EAGLE-3.1 drafter feeds norm(out))"
+            )
+        if self.target_hidden_size != self.hidden_size:
+            reasons["speculators"].append(
+                f"builds fc (and fc_norm) from hidden_size {self.hidden_size}, not target_hidden_size "
+                f"{self.target_hidden_size}"
+            )
+        return reasons
+
+    def check_engines(
+        self, layout: str, where: str, allow_mismatch: bool = False, engines: Sequence[str] | None = None
+    ) -> list[str]:
+        """Refuse (EngineMismatchError) a `layout` export that a project reading that layout (or only those
+        in `engines`) would compute differently, naming the flags and projects; with `allow_mismatch`, return
+        the same lines as notes."""
+        mismatches = self.engine_mismatches()
+        readers = [e for e in LAYOUT_READERS[layout] if engines is None or e in engines]
+        lines = [f"{engine} {reason}" for engine in readers for reason in mismatches[engine]]
+        if lines and not allow_mismatch:
+            raise EngineMismatchError(
+                f"{where}: refusing a {layout}-layout export that would compute something else: "
+                f"{'; '.join(lines)}. Export to "
+                f"{'the speculators layout' if layout == 'sglang' else 'another layout'} or pass "
+                "--allow-engine-mismatch (allow_engine_mismatch=True) to write it anyway"
+            )
+        return [f"engine mismatch allowed: {line}" for line in lines]
 
     @classmethod
     def for_target(
@@ -325,9 +396,28 @@ def _from_sglang(raw: dict, where: str, notes: list[str]) -> DrafterConfig:
         norm_before_residual=bool(raw.get("norm_before_residual", False)),
         norm_before_fc=bool(raw.get("norm_before_fc", False)),
         fc_norm=bool(raw.get("fc_norm", False)),
-        norm_output=bool(raw.get("norm_output", False)),
+        **_sglang_output_flags(raw, notes),
         **_read_speculation(raw.get(SPECULATION_KEY) or {}),
     )
+
+
+def _sglang_output_flags(raw: dict, notes: list[str]) -> dict:
+    """norm_before_lm_head and feed_normed_hidden of an SGLang-layout config (see the module docstring)."""
+    norm_output = raw.get("norm_output")
+    if FEED_NORMED_KEY in raw:  # written by eagle3lib: says which state the drafter feeds forward
+        feed_normed = bool(raw[FEED_NORMED_KEY])
+        norm_before_lm_head = feed_normed or norm_output is not False
+        return dict(norm_before_lm_head=norm_before_lm_head, feed_normed_hidden=feed_normed)
+    if norm_output is None:
+        return dict(norm_before_lm_head=True, feed_normed_hidden=False)
+    if norm_output:
+        notes.append(
+            "norm_output=true read as SpecForge trains it: final norm before lm_head, pre-norm state fed "
+            "forward; SGLang and vLLM read it as EAGLE-3.1's post-norm feed (different draft steps >= 1)"
+        )
+    else:
+        notes.append("norm_output=false read as SpecForge does: no final norm before lm_head")
+    return dict(norm_before_lm_head=bool(norm_output), feed_normed_hidden=False)
 
 
 def _read_speculation(block: dict) -> dict:
@@ -370,7 +460,8 @@ def _from_speculators(raw: dict, where: str, notes: list[str]) -> DrafterConfig:
         norm_before_residual=bool(raw.get("norm_before_residual", True)),
         norm_before_fc=bool(raw.get("norm_before_fc", False)),
         fc_norm=bool(raw.get("fc_norm", False)),
-        norm_output=bool(raw.get("norm_output", False)),
+        feed_normed_hidden=bool(raw.get("norm_output", False)),  # speculators' meaning (EAGLE-3.1)
+        norm_before_lm_head=bool(raw.get(NORM_BEFORE_LM_HEAD_KEY, True)),
         **_read_speculation(raw.get("speculators_config") or {}),
     )
 
@@ -430,10 +521,21 @@ def to_sglang_dict(config: DrafterConfig, dtype: str = "float32") -> dict:
         "norm_before_residual": config.norm_before_residual,
         "norm_before_fc": config.norm_before_fc,
         "fc_norm": config.fc_norm,
-        "norm_output": config.norm_output,
+        **_sglang_norm_output(config),
         SPECULATION_KEY: _speculation_dict(config),
         "torch_dtype": dtype,
     }
+
+
+def _sglang_norm_output(config: DrafterConfig) -> dict:
+    """`norm_output` for an SGLang-layout config: absent for a standard drafter (SpecForge's default true
+    and SGLang's and vLLM's default false then all mean the standard computation); otherwise the value
+    the engines that can compute the drafter read right, and eagle3lib's own unambiguous key."""
+    if config.norm_before_lm_head and not config.feed_normed_hidden:
+        return {}
+    # feed_normed_hidden: SGLang and vLLM feed norm(out) on true (SpecForge cannot); no norm before
+    # lm_head: SpecForge drops the norm on false (SGLang and vLLM cannot)
+    return {"norm_output": config.feed_normed_hidden, FEED_NORMED_KEY: config.feed_normed_hidden}
 
 
 def to_speculators_dict(config: DrafterConfig, dtype: str = "float32") -> dict:
@@ -450,7 +552,8 @@ def to_speculators_dict(config: DrafterConfig, dtype: str = "float32") -> dict:
         "norm_before_residual": config.norm_before_residual,
         "norm_before_fc": config.norm_before_fc,
         "fc_norm": config.fc_norm,
-        "norm_output": config.norm_output,
+        "norm_output": config.feed_normed_hidden,  # speculators' meaning (EAGLE-3.1)
+        **({} if config.norm_before_lm_head else {NORM_BEFORE_LM_HEAD_KEY: False}),
         "embed_requires_grad": False,
         "tie_word_embeddings": False,
         "transformer_layer_config": layer,

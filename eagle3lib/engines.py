@@ -12,7 +12,8 @@ EAGLE3`) over its native `/generate` endpoint and computes τ = Σ completion_to
 SGLang's own benchmarks do. That count includes each request's first token (made by the prefill, not by
 a verification), so it reads about 1/verifications higher than vLLM's τ for the same decoding.
 
-Prompts go one at a time (batch 1), as in `eagle3lib.speculate`, so tokens/s compare like for like.
+The built-in engine decodes prompts in batches (`probe.batch_size`) and reports τ with a bootstrap interval
+over prompts; vLLM and SGLang report only pooled counters, so their τ comes without an interval.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class EngineResult:
     outputs: list[list[int]]  # generated token ids per prompt
     notes: list[str] = field(default_factory=list)
     target_outputs: list[list[int]] | None = None  # builtin: the target decoding alone, same prompts
+    baseline: list | None = None  # builtin: those target-only batches (speculate.BatchOutput), for reuse
 
 
 # ---------------------------------------------------------------- one entry point for the notebooks
@@ -137,9 +139,12 @@ def probe(
     sglang_url: str | None = None,
     work_dir: str | os.PathLike | None = None,
     seed: int = 0,
+    batch_size: int = 8,
+    baseline: list | None = None,
 ) -> EngineResult:
     """Probe `drafter` against `target` (as `open_target` gives it) on `prompts` with one backend: builtin
-    (`eagle3lib.speculate`, with the target-only baseline), vllm or sglang."""
+    (`eagle3lib.speculate`, `batch_size` prompts at a time, with the target-only baseline, decoded here
+    unless an earlier result's `baseline` is given), vllm or sglang."""
     from eagle3lib.runs import resolve_path
 
     if backend not in BACKENDS:
@@ -153,10 +158,14 @@ def probe(
 
         model, report = load_drafter(drafter, dtype=target.dtype)
         model = model.to(target.device)
-        result = speculate.probe(target.model, model, prompts, settings, max_new_tokens, seed=seed)
+        result = speculate.probe(
+            target.model, model, prompts, settings, max_new_tokens, seed=seed, batch_size=batch_size,
+            baseline=baseline,
+        )
         return EngineResult(
             engine="builtin", metrics=result.metrics, outputs=[g.tokens for g in result.spec],
             notes=[f"{drafter}: {report.summary()}"], target_outputs=[g.tokens for g in result.target],
+            baseline=result.baseline,
         )
     if backend == "vllm":
         if settings.topk != 1 or settings.num_draft_tokens != settings.steps + 1:
@@ -221,19 +230,20 @@ def vllm_ready_drafter(
 ) -> tuple[Path, list[str]]:
     """The checkpoint folder to hand vLLM, with notes.
 
-    vLLM reads `eagle_config.eagle_aux_hidden_state_layer_ids` of an SGLang-layout config in its own
-    numbering (the state entering layer i), one layer earlier than SGLang means them. Such a checkpoint is
-    converted to the speculators layout (ids written in vLLM's numbering) for the probe.
+    vLLM takes aux ids only from a top-level `eagle_aux_hidden_state_layer_ids`; it does not read an
+    SGLang-layout config's nested `eagle_config` ids at all and falls back to its defaults (2, N//2, N-3 in
+    its numbering). Such a checkpoint is converted to the speculators layout (ids written at the top level,
+    in vLLM's numbering) for the probe.
     """
     if layout != "sglang" or config.aux_layer_ids is None:
         return Path(drafter), []
     from eagle3lib.checkpoint import convert
 
     converted = work_dir / "drafter-speculators-layout"
-    convert(drafter, converted, "speculators")
+    convert(drafter, converted, "speculators", engines=("vLLM",))  # vLLM takes the target's embedding
     return converted, [
-        f"{drafter}: SGLang layout with explicit aux ids {config.aux_layer_ids}; vLLM would read them one "
-        f"layer early, so the probe served a speculators-layout copy ({converted})"
+        f"{drafter}: SGLang layout with explicit aux ids {config.aux_layer_ids}; vLLM does not read them "
+        f"there (it would use its defaults), so the probe served a speculators-layout copy ({converted})"
     ]
 
 

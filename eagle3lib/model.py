@@ -6,11 +6,14 @@ Module and parameter names are the SGLang checkpoint keys (`fc.weight`, `midlaye
 One draft step, for token ids `x` and hidden states `h` (the target's aux states on step 0, the drafter's
 own pre-norm output afterwards):
     h   = fc(h)                                  only when h has the aux width A*Ht
+                                                 (fc_norm, EAGLE-3.1: each Ht-wide aux state RMS-normed first)
     a   = cat[input_layernorm(E[x]), hidden_norm(h)]          width 2H
     r   = hidden_norm(h) if norm_before_residual else h
     h1  = r + o_proj(attention(q_proj(a), k_proj(a), v_proj(a)))     causal, RoPE
     out = h1 + mlp(post_attention_layernorm(h1))                     fed to the next step
     logits = lm_head(norm(out))                                      over the Vd draft tokens
+With `feed_normed_hidden` (EAGLE-3.1) norm(out) is the state fed to the next step; with
+`norm_before_lm_head` false (a SpecForge option) logits are lm_head(out).
 Draft token j is target token j + d2t[j].
 
 Alignment (as vLLM and speculators): row t gets the aux state of position t with the embedding of token
@@ -570,6 +573,10 @@ class Eagle3Drafter(nn.Module):
         if embed_tokens:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
             self.embed_tokens.requires_grad_(False)  # a copy of the target's; both trainers freeze it
+        if config.fc_norm:  # one norm per aux state, as SpecForge and speculators key them: fc_norm.{i}
+            self.fc_norm = nn.ModuleList(
+                RMSNorm(config.target_hidden_size, config.rms_norm_eps) for _ in range(config.num_aux_layers)
+            )
         self.fc = nn.Linear(config.fc_in_features, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -630,6 +637,10 @@ class Eagle3Drafter(nn.Module):
         hidden = hidden.to(self.fc.weight.dtype)
         width = hidden.shape[-1]
         if width == self.fc.in_features and width != self.config.hidden_size:
+            if self.config.fc_norm:
+                chunks = hidden.split(self.config.target_hidden_size, dim=-1)
+                normed = [norm(chunk) for norm, chunk in zip(self.fc_norm, chunks, strict=True)]
+                hidden = torch.cat(normed, dim=-1)
             return self.fc(hidden)
         if width == self.config.hidden_size:
             return hidden
@@ -647,7 +658,8 @@ class Eagle3Drafter(nn.Module):
         cache: DraftCache | TTTCache,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The pre-norm output [B, T, H] of one draft step (the state fed to the next step)."""
+        """The state [B, T, H] one draft step feeds to the next: its output, normed when
+        `feed_normed_hidden` (EAGLE-3.1); `compute_logits` takes it as it is."""
         if (
             input_ids.dim() != 2
             or hidden.shape[:2] != input_ids.shape
@@ -660,9 +672,13 @@ class Eagle3Drafter(nn.Module):
         hidden = self.project_hidden(hidden)
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
         embeds = self.embed(input_ids).to(hidden.dtype)
-        return self.midlayer(embeds, hidden, cos, sin, cache, attention_mask)
+        out = self.midlayer(embeds, hidden, cos, sin, cache, attention_mask)
+        return self.norm(out) if self.config.feed_normed_hidden else out
 
     def compute_logits(self, layer_out: torch.Tensor) -> torch.Tensor:
+        """Logits of a state from `layer`: already normed when it feeds norm(out) forward."""
+        if self.config.feed_normed_hidden or not self.config.norm_before_lm_head:
+            return self.lm_head(layer_out)
         return self.lm_head(self.norm(layer_out))
 
     @staticmethod
@@ -691,7 +707,7 @@ class Eagle3Drafter(nn.Module):
         steps: int,
         position_ids: torch.Tensor | None = None,
     ) -> Iterator[torch.Tensor]:
-        """Yield the pre-norm output [B, T, H] of TTT steps 0..steps-1, teacher-forced.
+        """Yield the state [B, T, H] each TTT step 0..steps-1 feeds forward (see `layer`), teacher-forced.
 
         Step k embeds the ground truth shifted by k more (0 past the end), at positions advanced by k, with
         the previous step's pre-norm output as the hidden state. One step at a time, and without logits: a

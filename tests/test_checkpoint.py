@@ -48,11 +48,14 @@ def project_drafter(dtype: torch.dtype = torch.float32, **overrides) -> Eagle3Dr
     )
     drafter.d2t.copy_(vocab.d2t)
     drafter.t2d.copy_(vocab.t2d)
-    return drafter.to(dtype)
+    drafter = drafter.to(dtype)
+    # the target's embedding, which a speculators-layout save writes as embed_tokens.weight
+    drafter.attach_embedding(torch.randn(fields["vocab_size"], fields["hidden_size"]).to(dtype))
+    return drafter
 
 
-def logits_of(drafter: Eagle3Drafter, embedding: torch.Tensor) -> torch.Tensor:
-    if not drafter.owns_embedding:
+def logits_of(drafter: Eagle3Drafter, embedding: torch.Tensor | None) -> torch.Tensor:
+    if embedding is not None and not drafter.owns_embedding:
         drafter.attach_embedding(embedding)
     torch.manual_seed(3)
     c = drafter.config
@@ -116,6 +119,10 @@ def test_round_trip_through_the_other_layout_is_identical(tmp_path, fixture):
     first = "speculators" if fixture == "sglang_tiny" else "sglang"
     second = "sglang" if first == "speculators" else "speculators"
     original, _ = load_drafter(source)
+    embedding = torch.randn(512, 64)
+    if fixture == "sglang_tiny":  # the speculators layout carries the target's embedding
+        embedding = load_file(FIXTURES / "sglang_tiny_embed.safetensors")["embed_tokens.weight"]
+        original.attach_embedding(embedding)
     save_drafter(original, tmp_path / "a", first)
     middle, middle_report = load_drafter(tmp_path / "a")
     assert middle_report.layout == first and middle_report.ok
@@ -124,11 +131,12 @@ def test_round_trip_through_the_other_layout_is_identical(tmp_path, fixture):
     assert final_report.layout == second and final_report.ok
 
     before, after = load_file(source / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    if fixture == "sglang_tiny":  # now carried, as the speculators copy had it
+        assert torch.equal(after.pop("embed_tokens.weight"), embedding)
     assert before.keys() == after.keys()
     for key in before:
         assert before[key].dtype == after[key].dtype and torch.equal(before[key], after[key]), key
     assert final.config == original.config
-    embedding = torch.randn(512, 64)
     assert torch.equal(logits_of(original, embedding), logits_of(final, embedding))
     assert torch.equal(logits_of(original, embedding), logits_of(middle, embedding))
 
@@ -140,15 +148,17 @@ def test_project_checkpoint_round_trip_keeps_bf16_and_layout_keys(tmp_path):
     sglang_keys = set(load_file(tmp_path / "s" / "model.safetensors"))
     speculators_keys = set(load_file(tmp_path / "v" / "model.safetensors"))
     assert "midlayer.hidden_norm.weight" in sglang_keys and "layers.0.hidden_norm.weight" in speculators_keys
-    assert {k.replace("layers.0.", "midlayer.") for k in speculators_keys} == sglang_keys
-    assert len(sglang_keys) == 15 and "embed_tokens.weight" not in sglang_keys  # the target's: never saved
+    # the attached target embedding: written into the speculators layout only (SGLang takes the target's)
+    renamed = {k.replace("layers.0.", "midlayer.") for k in speculators_keys}
+    assert renamed == sglang_keys | {"embed_tokens.weight"}
+    assert len(sglang_keys) == 15 and "embed_tokens.weight" not in sglang_keys
     loaded, report = load_drafter(tmp_path / "v")
-    assert report.summary() == "13 loaded (10 renamed), 2 skipped (d2t, t2d), 0 missing, 0 unexpected"
+    assert report.summary() == "14 loaded (10 renamed), 2 skipped (d2t, t2d), 0 missing, 0 unexpected"
     assert loaded.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(loaded.embed_tokens.weight, drafter.target_embedding)
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(tensor, loaded.state_dict()[name]), name
-    embedding = torch.randn(80, 32, dtype=torch.bfloat16)
-    assert torch.equal(logits_of(drafter, embedding), logits_of(loaded, embedding))
+    assert torch.equal(logits_of(drafter, None), logits_of(loaded, None))
 
 
 def test_written_configs_state_every_flag_and_convert_aux_ids(tmp_path):
@@ -158,9 +168,11 @@ def test_written_configs_state_every_flag_and_convert_aux_ids(tmp_path):
     sglang = json.loads((tmp_path / "s" / "config.json").read_text())
     speculators = json.loads((tmp_path / "v" / "config.json").read_text())
     for raw in (sglang, speculators):
-        for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        for flag in ("norm_before_residual", "norm_before_fc", "fc_norm"):
             assert flag in raw
         assert raw["norm_before_residual"] is True and raw["draft_vocab_size"] == 20
+    # a standard drafter: SpecForge's default (true) and SGLang's/vLLM's (false) both mean the standard model
+    assert "norm_output" not in sglang and speculators["norm_output"] is False
     assert sglang["architectures"] == ["LlamaForCausalLMEagle3"] and sglang["num_hidden_layers"] == 1
     assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     assert speculators["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
@@ -368,8 +380,6 @@ def test_corrupt_files_are_named(tmp_path):
     [
         ({"architectures": ["LlamaForCausalLM"]}, r"architectures=\['LlamaForCausalLM'\] is not an EAGLE-3"),
         ({"norm_before_fc": True}, "norm_before_fc=true is not supported"),
-        ({"fc_norm": True}, "fc_norm=true is not supported"),
-        ({"norm_output": True}, "norm_output=true is not supported"),
         ({"num_hidden_layers": 2}, "num_hidden_layers=2; eagle3lib supports one-layer"),
         ({"attention_bias": True}, "attention_bias=true is not supported"),
     ],
@@ -451,7 +461,7 @@ def test_specforge_training_state(tmp_path):
         in report.notes
     )
 
-    with pytest.raises(CheckpointError, match="holds no model weights .* load the folder"):
+    with pytest.raises(CheckpointError, match="holds no model weights .*draft_state_dict"):
         load_drafter(folder / "training_state.pt")
 
     # a training state that does carry the weights (wrapped as SpecForge's training model names them)
@@ -525,11 +535,19 @@ def test_cli_inspect_reports_13_loaded_2_skipped(tmp_path, capsys):
 
 def test_cli_convert(tmp_path, capsys):
     out_dir = tmp_path / "converted"
-    assert (
-        cli.main(["convert", str(FIXTURES / "sglang_tiny"), "--to", "speculators", "-o", str(out_dir)]) == 0
-    )
-    assert "13 loaded, 2 skipped (d2t, t2d)" in capsys.readouterr().out
+    source = str(FIXTURES / "sglang_tiny")
+    # the speculators layout needs the target's embedding, which an SGLang-layout drafter does not carry
+    assert cli.main(["convert", source, "--to", "speculators", "-o", str(out_dir)]) == 2
+    assert "needs the target's token embedding" in capsys.readouterr().err and not out_dir.exists()
+    embedding = load_file(FIXTURES / "sglang_tiny_embed.safetensors")["embed_tokens.weight"]
+    head = {"embed_tokens.weight": embedding, "lm_head.weight": torch.zeros(512, 64)}
+    save_file(head, tmp_path / "head.safetensors")
+    target = ["--target", str(tmp_path / "head.safetensors")]
+    assert cli.main(["convert", source, "--to", "speculators", "-o", str(out_dir), *target]) == 0
+    out = capsys.readouterr().out
+    assert "13 loaded, 2 skipped (d2t, t2d)" in out and "verifier.name_or_path unknown" in out
     assert checkpoint.detect_layout(out_dir) == "speculators"
+    assert torch.equal(load_file(out_dir / "model.safetensors")["embed_tokens.weight"], embedding)
     assert cli.main(["convert", str(FIXTURES / "sglang_tiny"), "--to", "sglang", "-o", str(out_dir)]) == 2
     assert "refusing to overwrite" in capsys.readouterr().err
     assert cli.main(["convert", str(tmp_path / "nowhere"), "--to", "sglang", "-o", str(tmp_path / "x")]) == 2

@@ -305,10 +305,11 @@ def test_draft_to_target_uses_d2t_offsets():
 
 
 @pytest.mark.parametrize(
-    "option", [{"norm_before_fc": True}, {"fc_norm": True}, {"norm_output": True}, {"num_hidden_layers": 2}]
+    "option", [{"norm_before_fc": True}, {"num_hidden_layers": 2}, {"feed_normed_hidden": True,
+                                                                    "norm_before_lm_head": False}]
 )
 def test_refused_options_name_themselves(option):
-    name = next(iter(option))
+    name = next(iter(option)) if len(option) == 1 else "feeds norm"
     with pytest.raises(ConfigError, match=name):
         Eagle3Drafter(tiny_config(**option))
 
