@@ -647,3 +647,33 @@ def test_greedy_speculation_is_lossless_in_float32_on(device):
         for prompt in ([1, 2, 3], [60, 7, 7, 41, 9, 0]):
             expected = speculate.generate_target_only(target, prompt, 40).tokens
             assert decoder.generate(prompt, 40).tokens == expected, f"{name}, prompt {prompt}"
+
+
+def test_gpu_check_runs_its_training_step_code_on_the_cpu(monkeypatch, capsys):
+    """bench/gpu_check.py's own code where a CPU can run it: the trainer and batch it builds, its fused vs
+    blocked comparison and the memory plan's predictions at a tiny shape; with no CUDA device it checks
+    nothing and exits 0."""
+    import argparse
+    import sys
+
+    from eagle3lib.model import BLOCKED_KERNEL
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "bench"))
+    import gpu_check
+
+    shape = argparse.Namespace(hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=48, vt=96, vd=24,
+                               seq_len=12, ttt_steps=3, micro_batch=1, dtype="bf16", data_dtype="bfloat16",
+                               train_lm_head=False)
+    trainer, _, batch, _ = gpu_check.build_on_device(shape, torch.device("cpu"))
+    assert batch["aux_hidden_states"].shape == (1, 12, 3 * 32) and trainer.t2d[batch["target_argmax"]].all()
+    checks = gpu_check.Checks()
+    gpu_check.compare_paths(trainer, batch, checks)
+    assert checks.failed == []
+    fused, blocked = gpu_check.predicted_peak(shape, None), gpu_check.predicted_peak(shape, BLOCKED_KERNEL)
+    assert 0 < fused and 0 < blocked
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    capsys.readouterr()
+    assert gpu_check.main() == 0
+    assert "no CUDA device here" in capsys.readouterr().out
+
