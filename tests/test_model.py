@@ -676,4 +676,3 @@ def test_gpu_check_runs_its_training_step_code_on_the_cpu(monkeypatch, capsys):
     capsys.readouterr()
     assert gpu_check.main() == 0
     assert "no CUDA device here" in capsys.readouterr().out
-
