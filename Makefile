@@ -84,3 +84,23 @@ bench: setup bench-venv
 # .venv-bench exists); names the failed checks and exits 1. Without CUDA it says so and exits 0.
 gpu-check: setup
 	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
+
+# Interop check with the reference projects' own code (issue 15): speculators 0.9.0 and SpecForge 0.2.0 in
+# their own venv, out of `make test`. SpecForge 0.2.0 pins torch 2.11 / transformers 5.8.1 / sglang (GPU-only),
+# so it is installed without dependencies: its draft model and loader need only torch and transformers.
+INTEROP_VENV := .venv-interop
+INTEROP_STAMP := $(INTEROP_VENV)/.setup-done
+
+interop-venv: $(INTEROP_STAMP)
+
+$(INTEROP_STAMP): pyproject.toml
+	test -x $(INTEROP_VENV)/bin/python || python3 -m venv $(INTEROP_VENV)
+	$(INTEROP_VENV)/bin/python -m pip install -q 'speculators==0.9.0' 'torch==2.13.0' 'transformers<=5.19'
+	$(INTEROP_VENV)/bin/python -m pip install -q --no-deps 'specforge==0.2.0'
+	# CUDA builds pulled in as dependencies; they break imports on this CPU
+	$(INTEROP_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(INTEROP_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(INTEROP_STAMP)
+
+interop-check: interop-venv
+	$(INTEROP_VENV)/bin/python bench/interop_check.py

@@ -498,6 +498,12 @@ def save_drafter(
         raise FileExistsError(f"{path} exists; refusing to overwrite a checkpoint (pass overwrite=True)")
     if engines is not None:
         drafter.config.check_engines(layout, f"export to {path}", allow_engine_mismatch, engines)
+        if layout == "speculators" and "speculators" in engines and not drafter.config.verifier:
+            raise CheckpointError(
+                f"export to {path}: verifier.name_or_path is unknown, and speculators' from_pretrained reads "
+                "the verifier's config from it (a null crashes it): give the target's model folder "
+                "(--target, or set drafter.config.verifier)"
+            )
     for_speculators = engines is None or "speculators" in engines
     tensors = checkpoint_tensors(drafter, layout, require_embedding=for_speculators)
     _check_finite(tensors, f"drafter to be saved at {path}")
@@ -542,11 +548,8 @@ def convert(
     report.notes += drafter.config.check_engines(layout, where, allow_engine_mismatch, engines)
     allow = allow_engine_mismatch
     save_drafter(drafter, dst, layout, overwrite=overwrite, engines=engines, allow_engine_mismatch=allow)
-    if layout == "speculators" and not drafter.config.verifier:
-        report.notes.append(
-            "verifier.name_or_path unknown: written as null (speculators then attaches no verifier); give "
-            "the target's model folder (--target) to record it"
-        )
+    if layout == "speculators" and not drafter.config.verifier:  # an export for vLLM alone
+        report.notes.append("verifier.name_or_path unknown: written as null (vLLM does not read it)")
     return report
 
 

@@ -540,13 +540,20 @@ def test_cli_convert(tmp_path, capsys):
     assert cli.main(["convert", source, "--to", "speculators", "-o", str(out_dir)]) == 2
     assert "needs the target's token embedding" in capsys.readouterr().err and not out_dir.exists()
     embedding = load_file(FIXTURES / "sglang_tiny_embed.safetensors")["embed_tokens.weight"]
+    (tmp_path / "target").mkdir()
     head = {"embed_tokens.weight": embedding, "lm_head.weight": torch.zeros(512, 64)}
-    save_file(head, tmp_path / "head.safetensors")
-    target = ["--target", str(tmp_path / "head.safetensors")]
+    save_file(head, tmp_path / "target" / "target_head.safetensors")
+    target = ["--target", str(tmp_path / "target" / "target_head.safetensors")]
+    # the embedding alone is not enough: speculators reads the verifier's config from name_or_path
+    assert cli.main(["convert", source, "--to", "speculators", "-o", str(out_dir), *target]) == 2
+    assert "verifier.name_or_path is unknown" in capsys.readouterr().err and not out_dir.exists()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    target = ["--target", str(tmp_path / "target")]
     assert cli.main(["convert", source, "--to", "speculators", "-o", str(out_dir), *target]) == 0
-    out = capsys.readouterr().out
-    assert "13 loaded, 2 skipped (d2t, t2d)" in out and "verifier.name_or_path unknown" in out
+    assert "13 loaded, 2 skipped (d2t, t2d)" in capsys.readouterr().out
     assert checkpoint.detect_layout(out_dir) == "speculators"
+    raw = json.loads((out_dir / "config.json").read_text())
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == str((tmp_path / "target").resolve())
     assert torch.equal(load_file(out_dir / "model.safetensors")["embed_tokens.weight"], embedding)
     assert cli.main(["convert", str(FIXTURES / "sglang_tiny"), "--to", "sglang", "-o", str(out_dir)]) == 2
     assert "refusing to overwrite" in capsys.readouterr().err
