@@ -536,9 +536,13 @@ def test_cli_inspect_reports_13_loaded_2_skipped(tmp_path, capsys):
 def test_cli_convert(tmp_path, capsys):
     out_dir = tmp_path / "converted"
     source = str(FIXTURES / "sglang_tiny")
-    # the speculators layout needs the target's embedding, which an SGLang-layout drafter does not carry
+    # speculators needs the verifier (its from_pretrained reads the verifier's config) and the embedding,
+    # which an SGLang-layout drafter does not carry
     assert cli.main(["convert", source, "--to", "speculators", "-o", str(out_dir)]) == 2
-    assert "needs the target's token embedding" in capsys.readouterr().err and not out_dir.exists()
+    assert "verifier.name_or_path is unknown" in capsys.readouterr().err and not out_dir.exists()
+    drafter, _ = load_drafter(source)
+    with pytest.raises(CheckpointError, match="needs the target's token embedding"):
+        save_drafter(drafter, tmp_path / "no-embedding", "speculators")
     embedding = load_file(FIXTURES / "sglang_tiny_embed.safetensors")["embed_tokens.weight"]
     (tmp_path / "target").mkdir()
     head = {"embed_tokens.weight": embedding, "lm_head.weight": torch.zeros(512, 64)}
@@ -547,6 +551,7 @@ def test_cli_convert(tmp_path, capsys):
     # the embedding alone is not enough: speculators reads the verifier's config from name_or_path
     assert cli.main(["convert", source, "--to", "speculators", "-o", str(out_dir), *target]) == 2
     assert "verifier.name_or_path is unknown" in capsys.readouterr().err and not out_dir.exists()
+    assert not (tmp_path / "no-embedding").exists()
     (tmp_path / "target" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     target = ["--target", str(tmp_path / "target")]
     assert cli.main(["convert", source, "--to", "speculators", "-o", str(out_dir), *target]) == 0
