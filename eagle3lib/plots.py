@@ -72,19 +72,71 @@ def speculation_costs(results: dict[str, dict], path: str | os.PathLike | None =
 
 
 def tau_and_speedup(results: dict[str, dict], path: str | os.PathLike | None = None) -> Figure:
-    """τ, measured speedup over the target alone, and the ideal speedup those τ and step costs allow."""
+    """τ with its 95 % interval (where measured), measured speedup over the target alone, and the ideal
+    speedup those τ and step costs allow."""
     names = list(results)
-    keys = [("tau", "τ"), ("speedup", "speedup"), ("ideal_speedup", "ideal speedup")]
+    keys = [("tau", "τ (95 % interval)"), ("speedup", "speedup"), ("ideal_speedup", "ideal speedup")]
     fig, axis = plt.subplots(figsize=(max(6.0, 1.6 * len(names) + 2), 4.2))
     width = 0.8 / len(keys)
     for i, (key, label) in enumerate(keys):
         values = [results[n].get(key, float("nan")) for n in names]
-        bars = axis.bar([x + (i - 1) * width for x in range(len(names))], values, width, label=label)
-        axis.bar_label(bars, fmt="%.2f", fontsize=8)
+        errors = None
+        if key == "tau" and all(results[n].get("tau_low") is not None for n in names):
+            errors = [[v - results[n]["tau_low"] for v, n in zip(values, names, strict=True)],
+                      [results[n]["tau_high"] - v for v, n in zip(values, names, strict=True)]]
+        bars = axis.bar([x + (i - 1) * width for x in range(len(names))], values, width, label=label,
+                        yerr=errors, capsize=4 if errors else 0)
+        axis.bar_label(bars, fmt="%.2f", fontsize=8, padding=2)
     axis.axhline(1.0, color="grey", linewidth=1)
     axis.set_xticks(range(len(names)), names, rotation=15, ha="right")
     axis.set_title("acceptance length and speedup on the same prompts", fontsize=10)
     axis.legend(fontsize=9)
+    return _finish(fig, path)
+
+
+def depth_sweep(sweeps: dict[str, dict[str, dict]], path: str | os.PathLike | None = None) -> Figure:
+    """Per drafter, across the draft settings of the K sweep: τ with its interval (left) and the measured
+    wall-clock speedup over the target alone (right; the best setting of each drafter marked)."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, sweep in sweeps.items():
+        labels = list(sweep)
+        x = range(len(labels))
+        tau = [sweep[k]["tau"] for k in labels]
+        low = [t - sweep[k]["tau_low"] for t, k in zip(tau, labels, strict=True)]
+        high = [sweep[k]["tau_high"] - t for t, k in zip(tau, labels, strict=True)]
+        left.errorbar(x, tau, yerr=[low, high], marker="o", capsize=3, label=name)
+        speedup = [sweep[k]["speedup"] for k in labels]
+        (line,) = right.plot(x, speedup, marker="o", label=name)
+        best = max(range(len(labels)), key=speedup.__getitem__)
+        right.plot([best], [speedup[best]], marker="*", markersize=14, color=line.get_color())
+    for axis, title in ((left, "τ (95 % interval)"), (right, "speedup over the target alone (★ best)")):
+        axis.set_xticks(range(len(labels)), labels, rotation=20, ha="right")
+        axis.set_title(title, fontsize=10)
+        axis.grid(alpha=0.3)
+    right.axhline(1.0, color="grey", linewidth=1)
+    left.legend(fontsize=8)
+    return _finish(fig, path)
+
+
+def tau_calibration(rows: dict[str, dict], path: str | os.PathLike | None = None) -> Figure:
+    """Predicted τ (training's per-step accuracies) against measured τ (decoding held-out prompts), with
+    the measured interval; points under the diagonal are drafters training was too optimistic about."""
+    fig, axis = plt.subplots(figsize=(5.6, 5.0))
+    top = 1.0
+    for name, row in rows.items():
+        measured = row["measured_tau"]
+        error = None
+        if row["tau_low"] is not None:
+            error = [[measured - row["tau_low"]], [row["tau_high"] - measured]]
+        axis.errorbar([row["predicted_tau"]], [measured], yerr=error, marker="o", capsize=3,
+                      label=f"{name} ({row['relative_error']:+.0%})")
+        top = max(top, row["predicted_tau"], row["tau_high"] or measured)
+    axis.plot([1, top * 1.05], [1, top * 1.05], color="grey", linewidth=1, linestyle="--")
+    axis.set_xlabel("predicted τ (training batches, teacher-forced)")
+    axis.set_ylabel("measured τ (held-out prompts, speculative decoding)")
+    axis.set_title("predicted vs measured τ (relative error of the prediction)", fontsize=10)
+    axis.legend(fontsize=8)
+    axis.grid(alpha=0.3)
     return _finish(fig, path)
 
 

@@ -42,7 +42,7 @@ DEFAULTS: dict[str, Any] = {
         "backend": "builtin",  # builtin (eagle3lib.speculate) | vllm (make vllm-setup) | sglang (a server)
         "drafter": "",  # drafter checkpoint folder (SGLang or speculators layout)
         "corpus": "pydoc-prose",  # held-out prompts from: pydoc-prose | stdlib-code
-        "num_prompts": 8,
+        "num_prompts": 16,
         "prompt_chars": 600,  # each prompt: the opening of a held-out document, at most this long
         "chat": True,  # wrap each prompt in the target's chat template
         "max_new_tokens": 64,
@@ -50,12 +50,16 @@ DEFAULTS: dict[str, Any] = {
         "topk": 1,  # 1 = chain; > 1 = tree (builtin only)
         "num_draft_tokens": None,  # tree budget incl. the root; null = steps + 1 (chain), 1 + topk*steps
         "temperature": 0.0,  # 0 = greedy; > 0: rejection sampling keeps the target's distribution
+        "batch_size": 8,  # builtin: prompts decoded together (τ and outputs do not depend on it; speed does)
+        "dtype": "",  # the target's dtype while probing; "" = target.dtype (float32: greedy output exact)
         "sglang_url": "http://127.0.0.1:30000",  # backend sglang: a server started with EAGLE3
     },
     "evaluate": {  # 05_evaluate: drafters side by side on probe's target, prompts and decoding settings
         # one entry per drafter: {name: ..., path: checkpoint folder}; the integrator resolves null paths
         "drafters": [{"name": "drafter", "path": None}],
         "sample_tokens": 48,  # generated tokens shown per drafter for the first prompt
+        "sweep_steps": [1, 2, 3, 4, 5],  # the K sweep: chain depths tried per drafter; [] = no sweep
+        "sweep_tree": {"steps": 3, "topk": 2, "num_draft_tokens": 6},  # one small tree too; steps 0 = none
     },
     "target": {  # the target model (00_prepare_data and every step that runs it), eagle3lib.target
         "spec": "zoo:smollm2-135m-instruct",  # a local HF folder, a cached HF model id, or zoo:<name>

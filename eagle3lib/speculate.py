@@ -194,6 +194,15 @@ def _holes_dominate(valid: Tensor) -> bool:
     return valid.shape[1] > 2 * int(valid.sum(1).max()) + 32
 
 
+class PrefillCache:
+    """The target's prefill of prompt batches, kept so that every drafter and depth probed on the same
+    prompts reuses it instead of recomputing it (on a CPU the prefill of long chat prompts costs as much as
+    the decoding). A reused prefill is charged the seconds it took when it ran, so speeds stay honest."""
+
+    def __init__(self) -> None:
+        self.found: dict = {}
+
+
 class TargetBatch:
     """B sequences decoding together in one Hugging Face KV cache.
 
@@ -240,9 +249,20 @@ class TargetBatch:
         aux = torch.cat([outputs[i] for i in self.aux_layer_ids], dim=-1) if self.aux_layer_ids else None
         return logits, aux
 
-    def prefill(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor | None]:
-        """Left-padded prompts through the target: last-position logits [B, Vt] and aux states [B, W, A*Ht]
-        (sequence b's in its last len(prompt b) rows)."""
+    def prefill(
+        self, prompts: list[list[int]], reuse: PrefillCache | None = None
+    ) -> tuple[Tensor, Tensor | None, float]:
+        """Left-padded prompts through the target: last-position logits [B, Vt], aux states [B, W, A*Ht]
+        (sequence b's in its last len(prompt b) rows) and the seconds it took (when `reuse` already held
+        this batch: the seconds it took then)."""
+        key = (tuple(map(tuple, prompts)), tuple(self.aux_layer_ids))
+        if reuse is not None and key in reuse.found:
+            logits, aux, kv, self.valid, self.lengths, seconds = reuse.found[key]
+            for i, (keys, values) in enumerate(kv):  # later rounds never write into these tensors in place
+                self.cache.update(keys, values, i)
+            return logits, aux, seconds
+        _sync(self.model.device)
+        start = time.perf_counter()
         width = max(len(p) for p in prompts)
         pad = torch.tensor([width - len(p) for p in prompts])
         input_ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
@@ -253,7 +273,12 @@ class TargetBatch:
         allowed = self.valid[:, None, :] & causal | torch.eye(width, dtype=torch.bool)
         logits, aux = self._forward(input_ids, allowed, (columns[None] - pad[:, None]).clamp(min=0))
         self.lengths = torch.tensor([len(p) for p in prompts])
-        return logits[:, -1], aux
+        _sync(self.model.device)
+        seconds = time.perf_counter() - start
+        if reuse is not None:
+            kv = [(layer.keys, layer.values) for layer in self.cache.layers]
+            reuse.found[key] = (logits[:, -1], aux, kv, self.valid, self.lengths, seconds)
+        return logits[:, -1], aux, seconds
 
     def verify(self, tokens: Tensor, ancestors: Tensor, depths: Tensor) -> tuple[Tensor, Tensor | None]:
         """Score a tree per sequence (tokens [B, N], node 0 the root) in one forward: each node sees its
@@ -531,17 +556,15 @@ def decode_target_only(
     temperature: float = 0.0,
     eos_token_id: int | None = None,
     generators: list[torch.Generator | None] | None = None,
+    reuse: PrefillCache | None = None,
 ) -> BatchOutput:
     """Plain autoregressive decoding of a batch with a KV cache: the baseline speculation has to beat."""
     generators = _generators(generators, len(prompts))
     device = model.device
     batch = TargetBatch(model, aux_layer_ids=[])
-    _sync(device)
+    logits, _, prefill = batch.prefill(prompts, reuse)
     start = time.perf_counter()
-    logits, _ = batch.prefill(prompts)
     tokens = [[int(select_tokens(logits[b], temperature, generators[b]))] for b in range(len(prompts))]
-    _sync(device)
-    prefill = time.perf_counter() - start
     active, rounds = list(range(len(prompts))), 0
     one = torch.ones(1, 1, 1, dtype=torch.bool)
     while True:
@@ -559,7 +582,7 @@ def decode_target_only(
         batch.commit(torch.ones(len(active), 1, dtype=torch.bool))
         rounds += 1
     _sync(device)
-    total = time.perf_counter() - start
+    total = prefill + time.perf_counter() - start
     return BatchOutput(
         generations=[Generation(tokens=_finish(t, max_new_tokens, eos_token_id)) for t in tokens],
         seconds={"prefill": prefill, "decode": total - prefill, "total": total},
@@ -610,18 +633,19 @@ class SpeculativeDecoder:
         max_new_tokens: int,
         eos_token_id: int | None = None,
         generators: list[torch.Generator | None] | None = None,
+        reuse: PrefillCache | None = None,
     ) -> BatchOutput:
         """Decode prompts together; each sequence accepts its own number of drafts per round and leaves the
         batch when it is done. Sequence b draws its random numbers from `generators[b]` in the order it would
-        alone, so a batch gives each prompt what decoding it alone gives."""
+        alone, so a batch gives each prompt what decoding it alone gives. `reuse` keeps and reuses the
+        target's prefill of these prompts."""
         settings, device, eos = self.settings, self.model.device, eos_token_id
         generators = _generators(generators, len(prompts))
         drafter_dtype = next(self.drafter.parameters()).dtype
-        seconds = {"prefill": 0.0, "draft": 0.0, "verify": 0.0}
         target, drafter = TargetBatch(self.model, self.aux_layer_ids), DrafterBatch(self.drafter)
-        _sync(device)
+        logits, aux, prefill = target.prefill(prompts, reuse)
+        seconds = {"prefill": prefill, "draft": 0.0, "verify": 0.0}
         start = time.perf_counter()
-        logits, aux = target.prefill(prompts)
         temperature = settings.temperature
         roots = [int(select_tokens(row, temperature, g)) for row, g in zip(logits, generators, strict=True)]
         tokens = [[root] for root in roots]
@@ -632,8 +656,6 @@ class SpeculativeDecoder:
         pending_aux = [aux[b, aux.shape[1] - len(p) :] for b, p in enumerate(prompts)]
         first_position = [1] * len(prompts)
         active, rounds = list(range(len(prompts))), 0
-        _sync(device)
-        seconds["prefill"] = time.perf_counter() - start
 
         while True:
             still = [i for i, seq in enumerate(active) if not _done(tokens[seq], max_new_tokens, eos)]
@@ -688,7 +710,7 @@ class SpeculativeDecoder:
             rounds += 1
             _sync(device)
             seconds["verify"] += time.perf_counter() - tock
-        seconds["total"] = time.perf_counter() - start
+        seconds["total"] = prefill + time.perf_counter() - start
         generations = [
             Generation(tokens=_finish(t, max_new_tokens, eos_token_id), accepted=a)
             for t, a in zip(tokens, accepted, strict=True)
@@ -760,6 +782,47 @@ class ProbeResult:
     metrics: dict
     spec: list[Generation]
     target: list[Generation] | None
+    baseline: list[BatchOutput] | None  # the target-only batches, to reuse for other drafters and depths
+
+
+def decode_baseline(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    eos_token_id: int | None = None,
+    seed: int = 0,
+    batch_size: int = 8,
+    reuse: PrefillCache | None = None,
+) -> list[BatchOutput]:
+    """The target alone on the prompts, in the batches `probe` uses: one baseline serves every drafter and
+    depth compared on these prompts."""
+    return [
+        decode_target_only(
+            model, [prompts[i] for i in batch], max_new_tokens, temperature, eos_token_id,
+            _seeded(model, seed, batch), reuse,
+        )
+        for batch in batches_by_length(prompts, batch_size)
+    ]
+
+
+def batches_by_length(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
+    """Prompt indices in batches of similar length: left padding to the longest of a batch wastes little."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+def _seeded(model: PreTrainedModel, seed: int, batch: list[int]) -> list[torch.Generator]:
+    """Prompt i draws from a generator seeded `seed + i`, whatever the batching."""
+    return [torch.Generator(model.device).manual_seed(seed + i) for i in batch]
+
+
+def _in_prompt_order(outputs: list[BatchOutput], batches: list[list[int]]) -> list[Generation]:
+    found = {i: g for batch, out in zip(batches, outputs, strict=True) for i, g in zip(batch, out.generations,
+                                                                                       strict=True)}
+    return [found[i] for i in range(len(found))]
 
 
 def probe(
@@ -773,42 +836,42 @@ def probe(
     compare_target: bool = True,
     warmup: bool = True,
     batch_size: int = 8,
+    baseline: list[BatchOutput] | None = None,
+    reuse: PrefillCache | None = None,
 ) -> ProbeResult:
-    """Speculate on every prompt, `batch_size` prompts at a time (and decode them with the target alone in
-    the same batches), then count as the engines do, with τ's 95 % bootstrap interval.
+    """Speculate on every prompt, `batch_size` prompts of similar length at a time, and compare with the
+    target decoding the same batches alone (`baseline`, decoded here unless given); count as the engines
+    do, with τ's 95 % bootstrap interval. `reuse` shares the target's prefill between probes of the same
+    prompts (see `PrefillCache`).
 
-    Prompt i draws from a generator seeded `seed + i` in both decoders, whatever the batching. With greedy
-    settings, `matches_target` is the share of prompts whose speculative output equals the target-only
-    output token for token (1.0 unless floating point flips a near tie).
+    With greedy settings, `matches_target` is the share of prompts whose speculative output equals the
+    target-only output token for token (1.0 unless floating point flips a near tie).
     """
     if not prompts:
         raise ValueError("probe needs at least one prompt")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    batches = batches_by_length(prompts, batch_size)
     decoder = SpeculativeDecoder(model, drafter, settings)
-    device = model.device
     if warmup:  # first calls pay one-time allocation costs that would skew the timings
-        decoder.generate_batch(prompts[:batch_size], min(4, max_new_tokens))
-        decode_target_only(model, prompts[:batch_size], min(4, max_new_tokens))
-
-    def seeded(start: int, count: int) -> list[torch.Generator]:
-        return [torch.Generator(device).manual_seed(seed + start + i) for i in range(count)]
-
-    spec, target = [], []
-    for start in tqdm(range(0, len(prompts), batch_size), desc="speculate", leave=False):
-        chunk = prompts[start : start + batch_size]
-        spec.append(decoder.generate_batch(chunk, max_new_tokens, eos_token_id, seeded(start, len(chunk))))
-        if compare_target:
-            target.append(decode_target_only(
-                model, chunk, max_new_tokens, settings.temperature, eos_token_id, seeded(start, len(chunk))
-            ))
-    spec_generations = [g for o in spec for g in o.generations]
-    target_generations = [g for o in target for g in o.generations]
+        first = [prompts[i] for i in batches[0]]
+        decoder.generate_batch(first, min(4, max_new_tokens))
+        if compare_target and baseline is None:
+            decode_target_only(model, first, min(4, max_new_tokens))
+    spec = [
+        decoder.generate_batch([prompts[i] for i in batch], max_new_tokens, eos_token_id,
+                               _seeded(model, seed, batch), reuse)
+        for batch in tqdm(batches, desc="speculate", leave=False)
+    ]
+    if compare_target and baseline is None:
+        baseline = decode_baseline(model, prompts, max_new_tokens, settings.temperature, eos_token_id, seed,
+                                   batch_size, reuse)
+    target = baseline if compare_target else None
+    spec_generations = _in_prompt_order(spec, batches)
+    target_generations = _in_prompt_order(target, batches) if target else None
     per_prompt = [g.accepted for g in spec_generations]
     metrics = acceptance_metrics([a for accepted in per_prompt for a in accepted], settings.steps)
     interval = intervals.tau_interval(per_prompt, seed=seed)
     metrics |= {"tau_low": interval.low, "tau_high": interval.high, "tau_interval_unit": interval.unit}
-    metrics |= speed_metrics(spec, target or None, metrics["tau"])
+    metrics |= speed_metrics(spec, target, metrics["tau"])
     metrics |= {
         "steps": settings.steps,
         "topk": settings.topk,
@@ -818,7 +881,7 @@ def probe(
         "batch_size": batch_size,
         "accepted_per_prompt": per_prompt,
     }
-    if compare_target and settings.temperature == 0:
+    if target_generations is not None and settings.temperature == 0:
         same = sum(s.tokens == t.tokens for s, t in zip(spec_generations, target_generations, strict=True))
         metrics["matches_target"] = same / len(spec_generations)
-    return ProbeResult(metrics=metrics, spec=spec_generations, target=target_generations or None)
+    return ProbeResult(metrics=metrics, spec=spec_generations, target=target_generations, baseline=target)

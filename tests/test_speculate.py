@@ -207,6 +207,15 @@ def test_probe_counts_the_same_at_every_batch_size():
         assert results[0][key] == results[1][key] == results[2][key], key
     assert results[0]["matches_target"] == 1.0 and results[0]["tau_interval_unit"] == "rounds"
     assert results[0]["tau_low"] <= results[0]["tau"] <= results[0]["tau_high"]
+    # a prefill kept from the first probe serves the next ones: same outputs, its seconds charged again
+    reuse = speculate.PrefillCache()
+    first = speculate.probe(model, drafter, PROMPTS, SETTINGS["chain-3"], 30, warmup=False, reuse=reuse)
+    again = speculate.probe(model, drafter, PROMPTS, SETTINGS["chain-3"], 30, warmup=False, reuse=reuse,
+                            baseline=first.baseline)
+    assert len(reuse.found) == 2  # the prefill with the drafter's aux layers, and without (target only)
+    assert [g.tokens for g in again.spec] == [g.tokens for g in first.spec]
+    assert again.metrics["accepted_per_prompt"] == first.metrics["accepted_per_prompt"]
+    assert again.metrics["prefill_s"] == first.metrics["prefill_s"] > 0
 
 
 def test_eos_stops_both_decoders_at_the_same_place():
