@@ -80,6 +80,29 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _publish_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="a run folder whose notebook 04 trained the arm (and 05 measured it)")
+    p.add_argument("--arm", default="scratch", help="the arm under RUN_DIR/04_finetune/ (default: scratch)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--command", required=True, help="the command that made the run, recorded as it is")
+    p.add_argument("-o", "--out", required=True, help="the new drafter folder (refused if it exists)")
+
+
+@command("publish", "copy a trained drafter out of its run with its provenance (command, commit, recipe, "
+         "training curve, measured τ, weights hash)", _publish_arguments)
+def _publish(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from eagle3lib import publish
+
+    out = publish.publish(Path(args.run_dir), args.arm, Path(args.out), command=args.command,
+                          dtype=getattr(torch, args.dtype))
+    print(f"eagle3 publish: {out} ({publish.verify(out)['sha256']})")
+    return 0
+
+
 def _diff_vocab_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("a", help="map A: a drafter checkpoint folder or a map file (d2t/t2d)")
     p.add_argument("b", help="map B: same kinds as A")

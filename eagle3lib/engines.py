@@ -141,10 +141,12 @@ def probe(
     seed: int = 0,
     batch_size: int = 8,
     baseline: list | None = None,
+    reuse=None,
 ) -> EngineResult:
     """Probe `drafter` against `target` (as `open_target` gives it) on `prompts` with one backend: builtin
     (`eagle3lib.speculate`, `batch_size` prompts at a time, with the target-only baseline, decoded here
-    unless an earlier result's `baseline` is given), vllm or sglang."""
+    unless an earlier result's `baseline` is given; `reuse`: a `speculate.PrefillCache` shared between
+    probes of the same prompts), vllm or sglang."""
     from eagle3lib.runs import resolve_path
 
     if backend not in BACKENDS:
@@ -160,7 +162,7 @@ def probe(
         model = model.to(target.device)
         result = speculate.probe(
             target.model, model, prompts, settings, max_new_tokens, seed=seed, batch_size=batch_size,
-            baseline=baseline,
+            baseline=baseline, reuse=reuse,
         )
         return EngineResult(
             engine="builtin", metrics=result.metrics, outputs=[g.tokens for g in result.spec],

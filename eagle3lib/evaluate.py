@@ -77,3 +77,30 @@ def tau_text(metrics: dict) -> str:
     if metrics.get("tau_low") is None:
         return f"{metrics['tau']:.2f}"
     return f"{metrics['tau']:.2f} [{metrics['tau_low']:.2f}, {metrics['tau_high']:.2f}]"
+
+
+def calibration_sentence(name: str, row: dict) -> str:
+    """Where a prediction's gap comes from, in numbers: the first draft position (training's acc_0 on its own
+    batches vs acceptance at position 1 on held-out prompts: a shift of data) against the later positions
+    (teacher forcing in training, the drafter's own drafts when decoding)."""
+    first_gap = row["acc_0"] - row["acceptance_1"]
+    text = (f"{name}: predicted τ {row['predicted_tau']:.2f}, measured {row['measured_tau']:.2f} "
+            f"({row['relative_error']:+.0%}); position 1: {row['acc_0']:.0%} on training batches vs "
+            f"{row['acceptance_1']:.0%} accepted on held-out prompts")
+    if abs(row["relative_error"]) <= 0.10:
+        return text + " — within 10 %."
+    if abs(first_gap) >= 0.05:
+        return text + (" — most of the gap is already at position 1: the held-out prompts are not the "
+                       "training data.")
+    return text + (" — position 1 agrees, so the gap is in the later positions: training feeds them the true "
+                   "tokens (teacher forcing), decoding feeds the drafter's own drafts.")
+
+
+def best_settings(sweeps: dict[str, dict[str, dict]]) -> dict[str, dict]:
+    """Per drafter: its fastest setting, with τ and speedup there and at the probe's own setting."""
+    found = {}
+    for name, sweep in sweeps.items():
+        label = best_setting(sweep)
+        found[name] = {"setting": label, "tau": sweep[label]["tau"], "speedup": sweep[label]["speedup"],
+                       "tau_low": sweep[label]["tau_low"], "tau_high": sweep[label]["tau_high"]}
+    return found

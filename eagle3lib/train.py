@@ -678,7 +678,11 @@ class Trainer:
 
 
 def _autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast where the hardware does it well (`auto`: CUDA with bf16), else plain float32."""
+    """bf16 autocast where the hardware does it well (`auto`: CUDA with bf16), else plain float32.
+
+    `auto` never picks bf16 on a CPU, even one with bf16 instructions: bench/bench_train.py measured bf16
+    autocast *training* about 10x slower than float32 on the project's CPU (16 vs 166 tokens/s; the
+    backward's casts and bf16 reductions have no fast CPU kernels), while bf16 *inference* is fast there."""
     if dtype == "fp32":
         return None
     if dtype == "bf16":
@@ -730,7 +734,13 @@ def findings(results: dict[str, ArmResult]) -> str:
     parts = []
     for arm, result in results.items():
         start, end = result.check, result.final_check
-        verdict = "" if arm == "scratch" else f", step-0 check {'passed' if start['passed'] else 'FAILED'}"
+        if arm == "scratch":
+            verdict = ""
+        elif arm == "drafter-no-remap":  # the bug reproduced on purpose: failing is the expected outcome
+            verdict = (", step-0 check failed as the scrambled-labels bug predicts" if not start["passed"]
+                       else ", step-0 check passed although the labels are scrambled")
+        else:
+            verdict = f", step-0 check {'passed' if start['passed'] else 'FAILED'}"
         parts.append(
             f"{arm}: loss_0 {start['loss_0']:.2f} → {end['loss_0']:.2f} (ln Vd = {start['chance_loss']:.2f}"
             f"{verdict}), acc_0 {start['acc_0']:.1%} → {end['acc_0']:.1%}, predicted τ "

@@ -37,7 +37,9 @@ def test_three_arms_same_budget(tmp_path, data_folder, monkeypatch):  # noqa: F8
     for numbers in arms.values():
         assert numbers["final_loss"] < numbers["initial_loss"]
         load_drafter(numbers["drafter"], strict=True)
-    assert "drafter-no-remap: loss_0" in metrics["found"] and "FAILED" in metrics["found"]
+    found = metrics["found"]
+    assert "drafter: loss_0" in found and "step-0 check passed" in found
+    assert "drafter-no-remap: loss_0" in found and "failed as the scrambled-labels bug predicts" in found
     step = tmp_path / "run" / "04_finetune"
     for figure in metrics["figures"]:
         assert (tmp_path / "run" / figure).stat().st_size > 10_000

@@ -8,8 +8,10 @@ arms fine-tuned from it, all evaluated) through "@step/..." run-relative paths.
 from __future__ import annotations
 
 import pytest
+import torch
 
-from eagle3lib import cli, report, runs
+from eagle3lib import cli, publish, report, runs
+from eagle3lib.checkpoint import load_drafter
 
 SOURCE = "@00_prepare_data/source_drafter"
 CHAINED = {
@@ -54,6 +56,26 @@ def test_smoke_recipe_runs_all_six_notebooks_chained(tmp_path, monkeypatch):
     evaluated = metrics["05_evaluate"]["drafters"]
     assert list(evaluated) == [entry["name"] for entry in CHAINED["evaluate"]["drafters"]]
     assert all(d["matches_target"] == 1.0 for d in evaluated.values())
+    assert all(d["tau_low"] <= d["tau"] <= d["tau_high"] and d["tau_interval_unit"] == "rounds"
+               for d in evaluated.values())  # 2 prompts: too few to resample prompts
+    evaluation = metrics["05_evaluate"]
+    assert len(evaluation["comparisons"]) == 6  # every pair of the 4 drafters, on the same prompts
+    assert set(evaluation["best_setting"]) == set(evaluated)
+    assert set(evaluation["calibration"]) == {"remapped warm start", "warm start without remap", "scratch"}
+    assert all((run_dir / figure).stat().st_size > 0 for figure in evaluation["figures"])
+
+    # the scratch arm published as the repository ships drafters: bfloat16, provenance, a checked hash
+    published = publish.publish(run_dir, "scratch", tmp_path / "published", command="pytest")
+    record = publish.verify(published)
+    assert record["command"] == "pytest" and record["steps"] == 4 and len(record["training_curve"]) == 2
+    assert record["measured"]["drafters"]["scratch"]["tau"] == evaluated["scratch"]["tau"]
+    drafter, load_report = load_drafter(published, strict=True)
+    assert drafter.lm_head.weight.dtype == torch.bfloat16 and not load_report.missing
+    weights = published / "model.safetensors"
+    stored = weights.read_bytes()
+    weights.write_bytes(stored[:-1] + bytes([stored[-1] ^ 0xFF]))  # one changed byte
+    with pytest.raises(publish.PublishError, match="SHA-256"):
+        publish.verify(published)
 
     summary = report.write_summary(run_dir).read_text()
     assert f"{diff['positions_equal']:,} of {diff['positions_compared']:,} draft positions agree" in summary

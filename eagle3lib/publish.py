@@ -1,0 +1,92 @@
+"""Ship a drafter this project trained: its weights (bfloat16 by default) and the provenance that made it.
+
+A published folder is an ordinary SGLang-layout checkpoint plus `provenance.json`: the command and git commit
+that trained it, the recipe, its training curve and last training metrics (which notebook 05 turns into a
+predicted τ), what notebook 05 measured for it, and the SHA-256 of its weights, which `verify` checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+import yaml
+
+from eagle3lib import plots, runs
+from eagle3lib.checkpoint import load_drafter, save_drafter
+
+PROVENANCE = "provenance.json"
+WEIGHTS = "model.safetensors"
+
+
+class PublishError(ValueError):
+    """A run that cannot be published, or a published folder that does not match its record."""
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def git_commit() -> str:
+    """The repository's HEAD, with '+changes' when the work tree differs from it."""
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=runs.REPO_ROOT, capture_output=True, text=True)
+        return done.stdout.strip()
+
+    head = git("rev-parse", "HEAD") or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def publish(run_dir: Path, arm: str, out: Path, *, command: str, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Copy the drafter of `run_dir/04_finetune/<arm>/` to `out/` in `dtype`, with its provenance."""
+    arm_folder = Path(run_dir) / "04_finetune" / arm
+    summary_path = arm_folder / "summary.json"
+    if not summary_path.is_file():
+        raise PublishError(f"{summary_path}: no finished arm to publish (run notebook 04 first)")
+    summary = json.loads(summary_path.read_text())
+    drafter, report = load_drafter(arm_folder / "drafter", strict=True, dtype=dtype)
+    metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
+    curve = [json.loads(line) for line in (arm_folder / "metrics.jsonl").read_text().splitlines()]
+    with runs.staged_folder(Path(out)) as staging:
+        save_drafter(drafter, staging / "drafter")
+        for item in (staging / "drafter").iterdir():
+            item.rename(staging / item.name)
+        (staging / "drafter").rmdir()
+        plots.ttt_step_curves({arm: [{"step": 0, **summary["check"]["metrics"]}, *curve]},
+                              staging / "training_curve.png")
+        record = {
+            "command": command,
+            "commit": git_commit(),
+            "dtype": str(dtype).removeprefix("torch."),
+            "load_report": report.summary(),
+            "recipe": yaml.safe_load((Path(run_dir) / "params.yaml").read_text()),
+            "data": metrics.get("00_prepare_data"),
+            "steps": summary["steps"],
+            "training_seconds": summary["seconds"],
+            "final_check": summary["final_check"],
+            "training_curve": curve,
+            "measured": metrics.get("05_evaluate"),
+            "sha256": {WEIGHTS: sha256(staging / WEIGHTS)},
+        }
+        runs.atomic_write_text(staging / PROVENANCE, json.dumps(record, indent=1) + "\n")
+    return Path(out)
+
+
+def verify(folder: Path) -> dict:
+    """The provenance of a published drafter, after checking its weights against the recorded hash."""
+    folder = Path(folder)
+    record = json.loads((folder / PROVENANCE).read_text())
+    found = sha256(folder / WEIGHTS)
+    if found != record["sha256"][WEIGHTS]:
+        raise PublishError(
+            f"{folder / WEIGHTS}: SHA-256 {found} is not the {record['sha256'][WEIGHTS]} recorded in "
+            f"{folder / PROVENANCE}: the weights changed since they were published"
+        )
+    return record
