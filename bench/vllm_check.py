@@ -20,20 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3lib import engines, speculate
+from eagle3lib import engines, publish, speculate
 from eagle3lib.checkpoint import load_drafter
-from eagle3lib.config import read_config
-from eagle3lib.runs import REPO_ROOT
 from eagle3lib.target import Target
-
-
-def newest_drafter(vocab_size: int) -> Path:
-    found = REPO_ROOT.glob("outputs/*/04_finetune/*/drafter/config.json")
-    found = sorted(found, key=lambda p: p.stat().st_mtime)
-    fitting = [p.parent for p in found if read_config(p.parent)[0].vocab_size == vocab_size]
-    if not fitting:
-        sys.exit(f"no drafter for a Vt {vocab_size} target under outputs/*/04_finetune/; pass --drafter PATH")
-    return fitting[-1]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -46,11 +35,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="zoo:smollm2-135m-instruct")
-    parser.add_argument("--drafter", help="checkpoint folder (default: the newest trained for the target)")
+    parser.add_argument("--drafter", default=str(publish.DEMO_SOURCE_DRAFTER),
+                        help="checkpoint folder (default: the shipped source drafter)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--corpus", default="stdlib-code")
+    parser.add_argument("--corpus", default="pydoc-prose", help="held-out prompts (the shipped drafter's)")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="prompts in the target's chat template (--no-chat: raw document openings)")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32 (both engines)")
@@ -60,7 +50,7 @@ def main() -> int:
     args = parser.parse_args()
 
     target = Target.load(args.target, dtype=args.dtype, device="cpu")
-    drafter = Path(args.drafter) if args.drafter else newest_drafter(target.vocab_size)
+    drafter = Path(args.drafter)
     prompts = engines.probe_prompts(target.tokenizer, args.corpus, args.prompts, 600, chat=args.chat)
     settings = speculate.DraftSettings(steps=args.steps)
     print(f"target {args.target} ({args.dtype}), drafter {drafter}, {len(prompts)} {args.corpus} prompts, "

@@ -20,6 +20,7 @@ from eagle3lib.checkpoint import load_drafter, save_drafter
 
 PROVENANCE = "provenance.json"
 WEIGHTS = "model.safetensors"
+DEMO_SOURCE_DRAFTER = runs.REPO_ROOT / "drafters" / "smollm2-135m-prose"  # params/demo.yaml's source drafter
 
 
 class PublishError(ValueError):
