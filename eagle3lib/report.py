@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3lib import runs
+from eagle3lib.evaluate import tau_text
 
 
 def _fmt(value) -> str:
@@ -39,24 +40,41 @@ def key_numbers(metrics: dict) -> list[str]:
     probe = metrics.get("01_probe_drafter", {})
     if "tau" in probe:
         lines.append(f"- Probe of the source drafter ({probe['backend']}, {probe['steps']} steps): "
-                     f"τ {_fmt(probe['tau'])}.")
+                     f"τ {tau_text(probe)}.")
     arms = metrics.get("04_finetune", {}).get("arms", {})
     if arms:
         lines += ["", "| fine-tuning arm | loss_0 at step 0 | acc_0 at step 0 | step-0 check | loss_0 at end "
                   "| acc_0 at end | predicted τ |", "|---|---|---|---|---|---|---|"]
         for name, arm in arms.items():
             check = {True: "passed", False: "FAILED"}.get(arm.get("check_passed"), "–")
+            if name == "scratch":
+                check = "reference only"
+            elif name == "drafter-no-remap" and arm.get("check_passed") is False:
+                check = "failed: the bug, reproduced"
             lines.append(
                 f"| {name} | {_fmt(arm['initial_loss'])} | {_fmt(arm['initial_acc_0'])} | {check} | "
                 f"{_fmt(arm['final_loss'])} | {_fmt(arm['final_acc_0'])} | {_fmt(arm['predicted_tau'])} |"
             )
     evaluate = metrics.get("05_evaluate", {})
     if evaluate.get("drafters"):
-        lines += ["", f"| drafter ({evaluate['backend']}, {evaluate['steps']} steps) | τ | speedup |",
-                  "|---|---|---|"]
+        best = evaluate.get("best_setting", {})
+        calibration = evaluate.get("calibration", {})
+        setting = f"{evaluate['backend']}, K {evaluate['steps']}, {evaluate.get('prompts', '?')} prompts"
+        lines += ["", f"| drafter ({setting}) | τ [95 % interval] | speedup | fastest setting (τ, speedup) "
+                  "| predicted τ |",
+                  "|---|---|---|---|---|"]
         for name, d in evaluate["drafters"].items():
-            lines.append(f"| {name} | {_fmt(d['tau'])} | {_fmt(d.get('speedup', '–'))} |")
+            fastest = (f"{best[name]['setting']} ({best[name]['tau']:.2f}, {best[name]['speedup']:.2f}x)"
+                       if name in best else "–")
+            row = calibration.get(name)
+            predicted = f"{row['predicted_tau']:.2f} ({row['relative_error']:+.0%})" if row else "–"
+            speedup = f"{d['speedup']:.2f}x" if "speedup" in d else "–"
+            lines.append(f"| {name} | {tau_text(d)} | {speedup} | {fastest} | {predicted} |")
+        if evaluate.get("comparisons"):
+            lines += ["", "Paired comparisons on the same prompts (95 % bootstrap intervals):", ""]
+            lines += [f"- {sentence}" for sentence in evaluate["comparisons"]]
     return lines
+
 
 
 def findings(notebook: Path) -> str:
