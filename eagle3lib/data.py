@@ -35,6 +35,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from eagle3lib import zoo
+from eagle3lib.runs import shareable
 from eagle3lib.vocab import VocabMap
 
 FORMAT = "eagle3lib-hidden-states"
@@ -192,7 +193,8 @@ class DataWriter:
         self.hidden_size, self.vocab_size = int(target["hidden_size"]), int(target["vocab_size"])
         self.dtype, self.shard_tokens, self.provenance = dtype, shard_tokens, provenance or {}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = Path(tempfile.mkdtemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp"))
+        staging = tempfile.mkdtemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        self._tmp = shareable(staging)
         save_file(
             {k: head[k].detach().contiguous().cpu() for k in HEAD_KEYS},
             self._tmp / "target_head.safetensors",
@@ -295,7 +297,6 @@ class DataWriter:
             "provenance": self.provenance,
         }
         (self._tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        os.chmod(self._tmp, 0o755)
         if self.path.is_dir():  # the empty folder this writer was allowed to take
             self.path.rmdir()
         os.rename(self._tmp, self.path)

@@ -323,13 +323,22 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"metrics value of type {type(value).__name__} is not JSON-serialisable: {value!r}")
 
 
+def shareable(path: str | os.PathLike) -> Path:
+    """Give a file or folder made by mkstemp/mkdtemp (private: 0600/0700) the permissions a plain open() or
+    mkdir() would have under this process's umask, so that reports and checkpoints can be shared."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~umask)
+    return Path(path)
+
+
 @contextmanager
 def staged_folder(path: Path, replace: bool = False) -> Iterator[Path]:
     """A temporary folder beside `path` to fill: renamed to `path` when the block ends without an error,
     removed otherwise, so `path` never holds a half-written folder. An existing `path` is refused, or with
     `replace` moved aside first, so that the rename itself stays atomic."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    staging = shareable(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         yield staging
         if not path.exists():
@@ -353,7 +362,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
-        os.replace(tmp, path)
+        os.replace(shareable(tmp), path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -20,6 +20,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eagle3lib.runs import shareable
+
 
 class VocabMapError(ValueError):
     """A map (or token-count table) that is malformed or does not fit what it is used with."""
@@ -251,7 +253,7 @@ class VocabMap:
         try:
             metadata = {"vd": str(self.vd), "vt": str(self.vt)}
             save_file({"d2t": self.d2t, "t2d": self.t2d}, tmp, metadata=metadata)
-            os.replace(tmp, path)
+            os.replace(shareable(tmp), path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from eagle3lib.runs import shareable
+
 ZOO_PREFIX = "zoo:"
 SMOLLM2 = "smollm2-135m-instruct"
 TINY_LLAMA = "tiny-llama"
@@ -113,7 +115,7 @@ def _require_gguf_support() -> None:
 def _build_atomically(folder: Path, build, cache) -> None:
     """Build into a temporary folder beside `folder`, then rename; a concurrent builder's result wins."""
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
+    tmp = shareable(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
     try:
         build(tmp, cache)
         try:

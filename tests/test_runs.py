@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import nbformat
 import pytest
 import yaml
@@ -126,3 +128,16 @@ def test_run_relative_paths_resolve_into_the_run_folder(tmp_path):
     run = runs.Run(tmp_path, params)
     assert run.params["evaluate"]["drafters"][0]["path"] == str(tmp_path / "04_finetune/scratch/drafter")
     assert params["evaluate"]["drafters"][0]["path"] == "@04_finetune/scratch/drafter", "input left as it was"
+
+
+def test_written_files_and_folders_follow_the_umask(tmp_path):
+    """Reports and checkpoints are shared: not the private modes mkstemp/mkdtemp give (0600/0700)."""
+    old = os.umask(0o022)
+    try:
+        runs.atomic_write_text(tmp_path / "summary.md", "text")
+        with runs.staged_folder(tmp_path / "drafter") as staging:
+            (staging / "config.json").write_text("{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "summary.md").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "drafter").stat().st_mode & 0o777 == 0o755
