@@ -8,7 +8,8 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: setup demo source-drafter test lint check-notebooks lab vllm-setup vllm-check bench-venv bench gpu-check
+.PHONY: setup demo source-drafter test lint check-notebooks lab report-check vllm-setup vllm-check bench-venv bench \
+	gpu-check interop-venv interop-check
 
 setup: $(STAMP)
 
@@ -41,6 +42,13 @@ check-notebooks: setup
 
 test: lint check-notebooks
 	$(PY) -m pytest
+
+# The latest run as a reader sees it: headless Chromium screenshots index.html and every notebook page into
+# outputs/<run>/screenshots/ (look at the PNGs); fails if a page does not render.
+report-check: setup
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
+	run=$$(ls -td outputs/*/ | grep -v screenshots | head -1); test -n "$$run" || { echo "no run under outputs/"; exit 1; }; \
+	$(VENV)/bin/eagle3 report "$$run" --screenshots
 
 lab: setup
 	$(VENV)/bin/jupyter lab notebooks/

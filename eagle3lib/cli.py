@@ -49,11 +49,37 @@ def _run(args: argparse.Namespace) -> int:
         failure = err
     summary = report.write_summary(run_dir)
     report.render_html(run_dir)
+    index = report.render_index(run_dir)
     print(f"eagle3 run: summary {summary}")
     print(f"eagle3 run: executed notebooks in {run_dir}, HTML in {run_dir / 'html'}")
+    print(f"eagle3 run: front page {index}")
     if failure:
         print(f"eagle3 run: {failure}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _report_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="a run folder under outputs/")
+    p.add_argument("--screenshots", action="store_true",
+                   help="also screenshot index.html and each notebook page with headless Chromium")
+    p.add_argument("--chromium", default="chromium", help="the Chromium binary (default: chromium)")
+
+
+@command("report", "write a run's summary.md, notebook HTML pages and front page index.html again",
+         _report_arguments)
+def _report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from eagle3lib import report
+
+    run_dir = Path(args.run_dir)
+    report.write_summary(run_dir)
+    report.render_html(run_dir)
+    print(f"eagle3 report: front page {report.render_index(run_dir)}")
+    if args.screenshots:
+        for shot in report.screenshots(run_dir, args.chromium):
+            print(f"eagle3 report: screenshot {shot}")
     return 0
 
 

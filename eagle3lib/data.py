@@ -32,9 +32,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from eagle3lib import zoo
+from eagle3lib.progress import progress as progress_bar
 from eagle3lib.runs import shareable
 from eagle3lib.vocab import VocabMap
 
@@ -332,7 +332,7 @@ def capture_to_folder(
     """
     ids = target.check_aux_layer_ids(aux_layer_ids)
     label = (provenance or {}).get("corpus", Path(path).name)
-    progress = tqdm(total=num_tokens, unit="tok", desc=f"capture {label}")
+    progress = progress_bar(total=num_tokens, unit="tok", desc=f"capture {label}")
     samples = iter(samples)
     with DataWriter(
         path,

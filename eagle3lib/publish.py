@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 from pathlib import Path
 
 import torch
@@ -35,16 +34,6 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def git_commit() -> str:
-    """The repository's HEAD, with '+changes' when the work tree differs from it."""
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=runs.REPO_ROOT, capture_output=True, text=True)
-        return done.stdout.strip()
-
-    head = git("rev-parse", "HEAD") or "unknown"
-    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
-
-
 def publish(run_dir: Path, arm: str, out: Path, *, command: str, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Copy the drafter of `run_dir/04_finetune/<arm>/` to `out/` in `dtype`, with its provenance."""
     arm_folder = Path(run_dir) / "04_finetune" / arm
@@ -64,7 +53,7 @@ def publish(run_dir: Path, arm: str, out: Path, *, command: str, dtype: torch.dt
                               staging / "training_curve.png")
         record = {
             "command": command,
-            "commit": git_commit(),
+            "commit": runs.git_commit(),
             "dtype": str(dtype).removeprefix("torch."),
             "load_report": report.summary(),
             "recipe": yaml.safe_load((Path(run_dir) / "params.yaml").read_text()),

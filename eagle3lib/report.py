@@ -118,9 +118,81 @@ def write_summary(run_dir: Path) -> Path:
         lines += [f"![{fig.stem}]({fig.relative_to(run_dir)})" for fig in figures]
         lines.append("")
     lines += ["## Parameters", "", "```yaml", params.rstrip(), "```", ""]
+    lines += ["## Made with", "", *[f"- {name}: {version}" for name, version in provenance().items()], ""]
     path = run_dir / "summary.md"
     runs.atomic_write_text(path, "\n".join(lines))
     return path
+
+
+def provenance() -> dict[str, str]:
+    """The code and packages that produced a run (read when its summary is written)."""
+    import sys
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"git commit": runs.git_commit(), "python": sys.version.split()[0]}
+    for package in ("torch", "transformers", "safetensors", "papermill"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "not installed"
+    return found
+
+
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 70rem; margin: 2rem auto; padding: 0 1rem; }}
+img {{ max-width: 100%; border: 1px solid #ddd; margin: 0.5rem 0; }}
+table {{ border-collapse: collapse; margin: 0.8rem 0; }}
+th, td {{ border: 1px solid #ccc; padding: 0.25rem 0.6rem; text-align: left; }}
+pre {{ background: #f6f6f6; padding: 0.8rem; overflow-x: auto; }}
+</style></head>
+<body>
+{body}
+</body></html>
+"""
+
+
+def render_index(run_dir: Path) -> Path:
+    """`<run_dir>/index.html`: the run's front page, summary.md rendered with its figures inline and links
+    to each notebook's HTML page."""
+    import mistune
+
+    summary = (run_dir / "summary.md").read_text()
+    body = mistune.create_markdown(plugins=["table"])(summary)
+    path = run_dir / "index.html"
+    runs.atomic_write_text(path, PAGE.format(title=f"eagle3lib run {run_dir.name}", body=body))
+    return path
+
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--hide-scrollbars"]
+
+
+def screenshots(run_dir: Path, chromium: str = "chromium", height: int = 2400) -> list[Path]:
+    """Headless Chromium's view of index.html and each notebook page, as PNGs in `<run_dir>/screenshots/`;
+    raises RuntimeError naming the page that did not render."""
+    import subprocess
+    import tempfile
+
+    pages = [run_dir / "index.html", *sorted((run_dir / "html").glob("*.html"))]
+    out = run_dir / "screenshots"
+    out.mkdir(exist_ok=True)
+    shots = []
+    for page in pages:
+        shot = out / f"{page.stem}.png"
+        with tempfile.TemporaryDirectory(prefix="eagle3-chromium-") as profile:
+            done = subprocess.run(
+                [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size=1280,{height}",
+                 f"--screenshot={shot}", page.resolve().as_uri()],
+                capture_output=True, text=True, timeout=120,
+            )
+        if done.returncode != 0 or not shot.is_file() or shot.stat().st_size < 10_000:
+            raise RuntimeError(f"{page} did not render (chromium exit {done.returncode}): "
+                               f"{done.stderr[-500:]}")
+        shots.append(shot)
+    return shots
 
 
 def render_html(run_dir: Path) -> list[Path]:

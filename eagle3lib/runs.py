@@ -12,6 +12,7 @@ import copy
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from eagle3lib.progress import HEADLESS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
@@ -323,6 +326,16 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"metrics value of type {type(value).__name__} is not JSON-serialisable: {value!r}")
 
 
+def git_commit() -> str:
+    """The repository's HEAD, with '+changes' when the work tree differs from it."""
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
+        return done.stdout.strip()
+
+    head = git("rev-parse", "HEAD") or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def shareable(path: str | os.PathLike) -> Path:
     """Give a file or folder made by mkstemp/mkdtemp (private: 0600/0700) the permissions a plain open() or
     mkdir() would have under this process's umask, so that reports and checkpoints can be shared."""
@@ -391,6 +404,26 @@ def notebook_paths(only: list[str] | None = None) -> list[Path]:
     return paths
 
 
+# Set for the kernels papermill starts (they inherit this process's environment): eagle3lib's progress bars
+# print one line per loop instead of an update per step (eagle3lib.progress), and Hugging Face's own bars
+# (weight loading, GGUF conversion) stay out of the report.
+KERNEL_ENV = {HEADLESS: "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+@contextmanager
+def headless_kernels() -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in KERNEL_ENV}
+    os.environ.update(KERNEL_ENV)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def execute_notebook(
     notebook: Path, output: Path, parameters: dict, cwd: Path | None = None, progress_bar: bool = False
 ) -> float:
@@ -400,15 +433,16 @@ def execute_notebook(
     output.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:
-        papermill.execute_notebook(
-            str(notebook),
-            str(output),
-            parameters=parameters,
-            cwd=str(cwd or notebook.parent),
-            kernel_name="python3",
-            progress_bar=progress_bar,
-            log_output=False,
-        )
+        with headless_kernels():
+            papermill.execute_notebook(
+                str(notebook),
+                str(output),
+                parameters=parameters,
+                cwd=str(cwd or notebook.parent),
+                kernel_name="python3",
+                progress_bar=progress_bar,
+                log_output=False,
+            )
     except papermill.PapermillExecutionError as err:
         cell = f"#{err.exec_count}" if err.exec_count is not None else f"index {err.cell_index}"
         raise NotebookFailed(notebook, output, cell, f"{err.ename}: {err.evalue}") from err

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
 from eagle3lib import intervals
 from eagle3lib.config import default_aux_layer_ids
+from eagle3lib.progress import progress
 
 # ---------------------------------------------------------------- checks before any decoding
 
@@ -859,7 +859,7 @@ def probe(
     spec = [
         decoder.generate_batch([prompts[i] for i in batch], max_new_tokens, eos_token_id,
                                _seeded(model, seed, batch), reuse)
-        for batch in tqdm(batches, desc="speculate", leave=False)
+        for batch in progress(batches, desc="speculate", leave=False)
     ]
     if compare_target and baseline is None:
         baseline = decode_baseline(model, prompts, max_new_tokens, settings.temperature, eos_token_id, seed,

@@ -67,6 +67,7 @@ from eagle3lib.loss import (
     weighted_loss,
 )
 from eagle3lib.model import Eagle3Drafter
+from eagle3lib.progress import progress as progress_bar
 from eagle3lib.remap import MISSING_POLICIES, drafter_map, remap_drafter
 from eagle3lib.target import resolve_device
 from eagle3lib.vocab import VocabMap
@@ -563,11 +564,10 @@ class Trainer:
         metrics_path = self.out / "metrics.jsonl"
         if resume:
             self._restore_latest(metrics_path)
-        from tqdm.auto import tqdm
-
         window = torch.zeros(5, t["ttt_steps"], dtype=torch.float64)
         window_tokens, window_start, last = 0, time.perf_counter(), {}
-        progress = tqdm(total=t["steps"], initial=self.step, desc=self.out.name, disable=not procs.main)
+        progress = progress_bar(total=t["steps"], initial=self.step, desc=self.out.name,
+                                disable=not procs.main)
         while self.step < t["steps"]:
             data_state = dict(self.stream.state)
             batch = self.stream.next()

@@ -7,6 +7,9 @@ arms fine-tuned from it, all evaluated) through "@step/..." run-relative paths.
 
 from __future__ import annotations
 
+import re
+
+import nbformat
 import pytest
 import torch
 
@@ -78,9 +81,32 @@ def test_smoke_recipe_runs_all_six_notebooks_chained(tmp_path, monkeypatch):
         publish.verify(published)
 
     summary = report.write_summary(run_dir).read_text()
+    assert_reads_as_a_report(run_dir)
     assert f"{diff['positions_equal']:,} of {diff['positions_compared']:,} draft positions agree" in summary
     assert "| warm start without remap |" in summary and "| drafter-no-remap |" in summary
     assert "## What we found" not in summary and "05_evaluate" in summary
+
+
+PROGRESS_BAR = re.compile(r"%\||\d(it|s)/s\]")  # what a tqdm update looks like
+
+
+def assert_reads_as_a_report(run_dir):
+    """What a reader of the executed notebooks and the front page sees: no progress redraws or walls of
+    lines, no stderr blocks, and every figure and link of index.html there and not empty."""
+    for notebook in sorted(run_dir.glob("[0-9][0-9]_*.ipynb")):
+        for number, cell in enumerate(nbformat.read(notebook, as_version=4).cells):
+            for output in cell.get("outputs", []):
+                where, text = f"{notebook.name} cell {number}", output.get("text", "")
+                bars = [line for line in text.splitlines() if PROGRESS_BAR.search(line)]
+                assert "\r" not in text and len(bars) <= 2, f"{where} shows progress updates: {bars[:5]}"
+                assert output.get("name") != "stderr", f"{where} writes to stderr: {text[:300]!r}"
+    report.render_html(run_dir)
+    page = report.render_index(run_dir).read_text()
+    targets = re.findall(r'(?:src|href)="([^"#:]+)"', page)
+    assert any(t.endswith(".png") for t in targets) and any(t.startswith("html/") for t in targets)
+    for target in targets:
+        assert (run_dir / target).is_file() and (run_dir / target).stat().st_size > 0, target
+    assert runs.git_commit().split("+")[0] in page
 
 
 def test_cli_run_reports_a_failing_notebook(tmp_path, monkeypatch, capsys):
