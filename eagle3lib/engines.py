@@ -103,7 +103,7 @@ def drafter_entries(entries: list, key: str = "evaluate.drafters") -> dict[str, 
 def markdown_table(results: dict[str, dict]) -> str:
     """One row per probe: τ, acceptance at each position, speed and speedup where measured."""
     columns = [
-        ("tau", "τ", "{:.2f}"),
+        ("tau", "τ [95 % interval]", "{:.2f}"),
         ("acceptance_per_position", "accept by position", None),
         ("tokens_per_s", "tok/s", "{:.1f}"),
         ("target_tokens_per_s", "target tok/s", "{:.1f}"),
@@ -119,6 +119,10 @@ def markdown_table(results: dict[str, dict]) -> str:
             value = metrics.get(key)
             if value is None:
                 cells.append("–")
+            elif key == "tau":
+                from eagle3lib.evaluate import tau_text
+
+                cells.append(tau_text(metrics))
             elif form is None:
                 cells.append(" / ".join(f"{v:.2f}" for v in value))
             else:

@@ -155,10 +155,11 @@ def test_drafter_entries_are_checked_by_place():
 
 def test_markdown_table_shows_what_each_backend_measured():
     table = engines.markdown_table({
-        "builtin": {"tau": 2.5, "acceptance_per_position": [0.8, 0.5], "tokens_per_s": 10.0, "speedup": 1.7},
+        "builtin": {"tau": 2.5, "tau_low": 2.25, "tau_high": 2.75, "acceptance_per_position": [0.8, 0.5],
+                    "tokens_per_s": 10.0, "speedup": 1.7},
         "sglang": {"tau": 3.0, "acceptance_per_position": None, "tokens_per_s": 50.0},
     })
     lines = table.splitlines()
-    assert lines[0].startswith("| drafter | τ | accept by position | tok/s")
-    assert lines[2].startswith("| builtin | 2.50 | 0.80 / 0.50 | 10.0 | – | 1.70× |")
+    assert lines[0].startswith("| drafter | τ [95 % interval] | accept by position | tok/s")
+    assert lines[2].startswith("| builtin | 2.50 [2.25, 2.75] | 0.80 / 0.50 | 10.0 | – | 1.70× |")
     assert lines[3].startswith("| sglang | 3.00 | – | 50.0 |")
