@@ -26,13 +26,15 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/eagle3 run params/demo.yaml --name demo-$$(date +%Y%m%d-%H%M%S)
 
-# The demo's source drafter (drafters/smollm2-135m-prose): trained from scratch on SmolLM2's own replies to
-# prose prompts, measured by notebook 05, then published with its provenance (about 1.5 hours on 2 cores).
+# The demo's source drafter: trained from scratch on SmolLM2's own replies to prose prompts, measured by
+# notebook 05, then published with its provenance (about 1.5 hours on 2 cores). publish refuses an existing
+# folder: to rebuild the shipped one, remove drafters/smollm2-135m-prose first or pass SOURCE_DRAFTER=...
 SOURCE_RUN := source-drafter-$(shell date +%Y%m%d-%H%M%S)
+SOURCE_DRAFTER ?= drafters/smollm2-135m-prose
 source-drafter: setup
 	$(VENV)/bin/eagle3 run params/source-drafter.yaml --name $(SOURCE_RUN) --only 00,04,05
 	$(VENV)/bin/eagle3 publish outputs/$(SOURCE_RUN) --arm scratch --command "make source-drafter" \
-		-o drafters/smollm2-135m-prose-$(SOURCE_RUN)
+		-o $(SOURCE_DRAFTER)
 
 lint: setup
 	$(VENV)/bin/ruff check .
