@@ -524,7 +524,8 @@ def convert(
     *,
     overwrite: bool = False,
     config: str | os.PathLike | None = None,
-    target: str | os.PathLike | None = None,
+    target_embedding: torch.Tensor | None = None,
+    verifier: str | None = None,
     allow_engine_mismatch: bool = False,
     engines: Sequence[str] | None = None,
 ) -> LoadReport:
@@ -532,17 +533,14 @@ def convert(
     `engines` (default: every project that reads `layout`, `LAYOUT_READERS`); returns the load report, with
     the export's notes added.
 
-    `target` (a Hugging Face folder, a data folder or target_head.safetensors: see
-    `remap.load_target_head`) supplies the token embedding a speculators-layout export needs when the
-    checkpoint carries none, and, when it is a model folder, the verifier name speculators records."""
+    `target_embedding` (the target's embed_tokens weight) is what a speculators-layout export needs when the
+    checkpoint carries no embedding; `verifier` the target's model folder or name that speculators records
+    (`eagle3 convert --target` reads both from a target)."""
     drafter, report = load_drafter(src, strict=True, config=config)
-    if target is not None:
-        from eagle3lib.remap import load_target_head  # remap imports this module
-
-        if not drafter.owns_embedding:
-            drafter.attach_embedding(load_target_head(target)["embed_tokens.weight"])
-        if (Path(target) / "config.json").is_file():
-            drafter.config.verifier = str(Path(target).resolve())
+    if target_embedding is not None and not drafter.owns_embedding:
+        drafter.attach_embedding(target_embedding)
+    if verifier is not None:
+        drafter.config.verifier = verifier
     engines = LAYOUT_READERS[layout] if engines is None else engines
     where = f"export of {src} to {dst}"
     report.notes += drafter.config.check_engines(layout, where, allow_engine_mismatch, engines)

@@ -212,12 +212,20 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
 
 @command("convert", "rewrite a drafter checkpoint in the SGLang or speculators layout", _convert_arguments)
 def _convert(args: argparse.Namespace) -> int:
-    from eagle3lib import checkpoint
+    from pathlib import Path
 
+    from eagle3lib import checkpoint
+    from eagle3lib.remap import load_target_head
+
+    embedding = verifier = None
+    if args.target:
+        embedding = load_target_head(args.target)["embed_tokens.weight"]
+        if (Path(args.target) / "config.json").is_file():  # a model folder, not only its head
+            verifier = str(Path(args.target).resolve())
     try:
         report = checkpoint.convert(
             args.src, args.output, args.to, overwrite=args.overwrite, config=args.config,
-            target=args.target, allow_engine_mismatch=args.allow_engine_mismatch,
+            target_embedding=embedding, verifier=verifier, allow_engine_mismatch=args.allow_engine_mismatch,
         )
     except FileExistsError as err:
         print(f"eagle3 convert: error: {err}", file=sys.stderr)

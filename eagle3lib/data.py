@@ -35,7 +35,7 @@ from torch import Tensor
 
 from eagle3lib import zoo
 from eagle3lib.progress import progress as progress_bar
-from eagle3lib.runs import shareable
+from eagle3lib.runs import resolve_path, shareable
 from eagle3lib.vocab import VocabMap
 
 FORMAT = "eagle3lib-hidden-states"
@@ -889,6 +889,19 @@ def _collate(samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
 # ---------------------------------------------------------------- a run's prepared data
 
 
+@dataclass
+class TrainingData:
+    """The data folder and what the trainer needs from it besides batches."""
+
+    reader: DataReader
+    vocab_map: VocabMap
+    head: dict[str, torch.Tensor]  # the target's embed_tokens / norm / lm_head weights
+    target_hidden_size: int
+    vocab_size: int
+    aux_layer_ids: list[int]
+    target: str  # the target's name, for messages
+
+
 def prepared_dir(run_dir: str | os.PathLike, which: str = "main") -> Path:
     """Where 00_prepare_data put a run's data: `main` (data.corpus) is the step folder itself, with its
     vocab map and token counts at the top; `source` (data.source_corpus) is its `source/` subfolder."""
@@ -901,9 +914,6 @@ def prepared_dir(run_dir: str | os.PathLike, which: str = "main") -> Path:
 def training_data(train: dict, run_dir: str | os.PathLike | None):
     """The trainer's inputs: `train.data` (else this run's 00_prepare_data) and `train.vocab_map` (else
     that data folder's vocab map)."""
-    from eagle3lib.runs import resolve_path
-    from eagle3lib.train import TrainingData
-
     if train["data"]:
         folder = resolve_path(train["data"])
     elif run_dir is not None:

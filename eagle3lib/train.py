@@ -53,7 +53,7 @@ from torch.nn.parallel import DistributedDataParallel
 from eagle3lib import runs
 from eagle3lib.checkpoint import load_drafter, save_drafter
 from eagle3lib.config import DrafterConfig, read_config
-from eagle3lib.data import training_data
+from eagle3lib.data import TrainingData, training_data
 from eagle3lib.loss import (
     StepSums,
     Targets,
@@ -70,7 +70,6 @@ from eagle3lib.model import Eagle3Drafter
 from eagle3lib.progress import progress as progress_bar
 from eagle3lib.remap import MISSING_POLICIES, drafter_map, remap_drafter
 from eagle3lib.target import resolve_device
-from eagle3lib.vocab import VocabMap
 
 ARMS = ("scratch", "drafter", "drafter-no-remap")
 STATE_FILE = "training_state.pt"
@@ -257,19 +256,6 @@ def diagnose(metrics: dict, baseline_acc: float, vd: int, warm_start: bool) -> C
 
 
 # ----------------------------------------------------------------------------- inputs of an arm
-
-
-@dataclass
-class TrainingData:
-    """The data folder and what the trainer needs from it besides batches."""
-
-    reader: object  # eagle3lib.data.DataReader
-    vocab_map: VocabMap
-    head: dict[str, torch.Tensor]  # the target's embed_tokens / norm / lm_head weights
-    target_hidden_size: int
-    vocab_size: int
-    aux_layer_ids: list[int]
-    target: str  # the target's name, for messages
 
 
 def _check_drafter_fits(drafter: Eagle3Drafter, source: str, data: TrainingData) -> None:
