@@ -32,7 +32,10 @@ demo: setup
 SOURCE_RUN := source-drafter-$(shell date +%Y%m%d-%H%M%S)
 SOURCE_DRAFTER ?= drafters/smollm2-135m-prose
 source-drafter: setup
-	$(VENV)/bin/eagle3 run params/source-drafter.yaml --name $(SOURCE_RUN) --only 00,04,05
+	$(VENV)/bin/eagle3 run params/source-drafter.yaml --name $(SOURCE_RUN) --only 00,04
+	$(VENV)/bin/eagle3 publish outputs/$(SOURCE_RUN) --arm scratch --command "make source-drafter" \
+		-o outputs/$(SOURCE_RUN)/published
+	$(VENV)/bin/eagle3 run params/source-drafter.yaml --name $(SOURCE_RUN) --only 05
 	$(VENV)/bin/eagle3 publish outputs/$(SOURCE_RUN) --arm scratch --command "make source-drafter" \
 		-o $(SOURCE_DRAFTER)
 
