@@ -71,7 +71,7 @@ def probe_prompts(tokenizer, corpus: str, num_prompts: int, prompt_chars: int, c
     """Token ids of `num_prompts` held-out document openings (never in the training text), optionally as a
     user turn of the target's chat template."""
     from eagle3lib import zoo
-    from eagle3lib.data import chat_prompt_ids
+    from eagle3lib.sources import chat_prompt_ids
 
     texts = zoo.heldout_prompts(corpus, num_prompts, max_chars=prompt_chars)
     if chat:

@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3lib import data, zoo
-from eagle3lib.data import DataError, DataReader, DataWriter
+from eagle3lib import capture, sources, zoo
+from eagle3lib.capture import DataWriter
+from eagle3lib.data import DataError, DataReader
 from eagle3lib.target import Target
 
 H, A, VT = 8, 3, 50
@@ -244,7 +245,7 @@ def tiny() -> Target:
 
 
 def test_prepare_raw_text_matches_a_fresh_capture(tiny, tmp_path):
-    path = data.prepare(
+    path = capture.prepare(
         tiny,
         "stdlib-code",
         tmp_path / "code",
@@ -275,18 +276,19 @@ def test_prepare_raw_text_matches_a_fresh_capture(tiny, tmp_path):
 
 
 def test_self_distilled_samples_learn_only_the_reply(tiny):
-    generator = data.self_distilled_samples(
+    generator = sources.self_distilled_samples(
         tiny, "pydoc-prose", seq_len=256, max_new_tokens=6, prompt_chars=120, batch_size=2
     )
     samples = [next(generator), next(generator)]
     docs = list(islice(zoo.split_documents("pydoc-prose", "train"), 2))
     for sample, doc in zip(samples, docs, strict=True):
-        prompt = data.chat_prompt_ids(tiny.tokenizer, zoo.opening(doc.text, 120), "pydoc-prose")
+        prompt = sources.chat_prompt_ids(tiny.tokenizer, zoo.opening(doc.text, 120), "pydoc-prose")
         assert sample.input_ids[: len(prompt)].tolist() == prompt
         assert not sample.loss_mask[: len(prompt)].any() and sample.loss_mask[len(prompt) :].all()
         assert 1 <= len(sample.input_ids) - len(prompt) <= 6
     with pytest.raises(DataError, match="no room for a reply"):
-        next(data.self_distilled_samples(tiny, "pydoc-prose", seq_len=20, max_new_tokens=4, prompt_chars=400))
+        next(sources.self_distilled_samples(tiny, "pydoc-prose", seq_len=20, max_new_tokens=4,
+                                            prompt_chars=400))
 
 
 # ---------------------------------------------------------------- SpecForge and speculators dumps

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from eagle3lib import data, loss, runs, train
+from eagle3lib.capture import DataWriter
 from eagle3lib.checkpoint import load_drafter, save_drafter
-from eagle3lib.data import DataWriter
 from eagle3lib.vocab import VocabMap, load_counts
 
 VT, VD, H, A, T = 128, 64, 32, 3, 16

@@ -1,0 +1,373 @@
+"""Capture: the target reads training text, and its hidden states go into a data folder (see `eagle3lib.data`
+for the format); 00_prepare_data's steps for one corpus."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from eagle3lib import zoo
+from eagle3lib.data import (
+    AUX_CONVENTION,
+    FORMAT,
+    FORMAT_VERSION,
+    HEAD_KEYS,
+    LAST_HIDDEN,
+    VOCAB_MAP_FILE,
+    DataError,
+    DataReader,
+    collate,
+    dtype_name,
+    load_token_counts,
+    prepared_dir,
+)
+from eagle3lib.progress import progress as progress_bar
+from eagle3lib.runs import shareable
+from eagle3lib.sources import Sample, raw_samples, self_distilled_samples
+from eagle3lib.vocab import VocabMap
+
+
+def _parse_dtype(name: str, where: str) -> torch.dtype:
+    if name not in ("float32", "bfloat16", "float16"):
+        raise DataError(f"{where}: hidden-state dtype must be float32, bfloat16 or float16, got {name!r}")
+    return getattr(torch, name)
+
+
+class DataWriter:
+    """Streams samples into a new data folder; memory holds at most one shard.
+
+    Use as a context manager, or call `close()`; on an exception the partial folder is removed and
+    `path` is never created. An existing `path` is refused (runs never overwrite earlier outputs).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        target: dict,
+        aux_layer_ids: list[int],
+        head: dict[str, Tensor],
+        dtype: torch.dtype = torch.bfloat16,
+        shard_tokens: int = 65536,
+        provenance: dict | None = None,
+    ):
+        self.path = Path(path)
+        # an empty folder (a fresh notebook step folder) may be taken; anything else is never overwritten
+        if self.path.exists() and not (self.path.is_dir() and not any(self.path.iterdir())):
+            raise FileExistsError(f"{self.path} exists; data folders are never overwritten")
+        if shard_tokens < 1:
+            raise DataError(f"shard_tokens must be positive, got {shard_tokens}")
+        missing = [k for k in HEAD_KEYS if k not in head]
+        if missing:
+            raise DataError(f"target head lacks {', '.join(missing)}")
+        self.target, self.aux_layer_ids = target, list(aux_layer_ids)
+        self.hidden_size, self.vocab_size = int(target["hidden_size"]), int(target["vocab_size"])
+        self.dtype, self.shard_tokens, self.provenance = dtype, shard_tokens, provenance or {}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        staging = tempfile.mkdtemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        self._tmp = shareable(staging)
+        save_file(
+            {k: head[k].detach().contiguous().cpu() for k in HEAD_KEYS},
+            self._tmp / "target_head.safetensors",
+            metadata={
+                "target": target["name"],
+                "fingerprint": target["fingerprint"],
+                "rms_norm_eps": repr(float(target["rms_norm_eps"])),
+            },
+        )
+        self._buffer: list[dict[str, Tensor]] = []
+        self._buffered = 0
+        self.shards: list[dict] = []
+        self.counts = torch.zeros(self.vocab_size, dtype=torch.long)
+        self.argmax_counts = torch.zeros(self.vocab_size, dtype=torch.long)
+        self.num_samples = self.num_tokens = self.num_loss_tokens = 0
+
+    def add(
+        self,
+        input_ids: Tensor,
+        loss_mask: Tensor,
+        aux_hidden_states: Tensor,
+        last_hidden_state: Tensor,
+        target_argmax: Tensor,
+    ) -> None:
+        """One sample, unshifted, without padding: [T], [T], [T, A*H], [T, H], [T]."""
+        length = input_ids.shape[0]
+        expected = {
+            "input_ids": (input_ids, (length,)),
+            "loss_mask": (loss_mask, (length,)),
+            "target_argmax": (target_argmax, (length,)),
+            "aux_hidden_states": (aux_hidden_states, (length, len(self.aux_layer_ids) * self.hidden_size)),
+            "last_hidden_state": (last_hidden_state, (length, self.hidden_size)),
+        }
+        for key, (tensor, shape) in expected.items():
+            if tuple(tensor.shape) != shape:
+                raise DataError(
+                    f"sample {self.num_samples}: {key} has shape {list(tensor.shape)}, expected {list(shape)}"
+                )
+        input_ids, loss_mask = input_ids.long().cpu(), loss_mask.bool().cpu()
+        target_argmax = target_argmax.long().cpu()
+        for key, ids in (("input_ids", input_ids), ("target_argmax", target_argmax)):
+            if length and not 0 <= int(ids.min()) <= int(ids.max()) < self.vocab_size:
+                raise DataError(
+                    f"sample {self.num_samples}: {key} outside the vocabulary [0, {self.vocab_size})"
+                )
+        self.counts += torch.bincount(input_ids[loss_mask], minlength=self.vocab_size)
+        self.argmax_counts += torch.bincount(target_argmax[loss_mask], minlength=self.vocab_size)
+        self._buffer.append(
+            {
+                "input_ids": input_ids,
+                "loss_mask": loss_mask,
+                "target_argmax": target_argmax,
+                "aux_hidden_states": aux_hidden_states.detach().to("cpu", self.dtype),
+                "last_hidden_state": last_hidden_state.detach().to("cpu", self.dtype),
+            }
+        )
+        self._buffered += length
+        self.num_samples += 1
+        self.num_tokens += length
+        self.num_loss_tokens += int(loss_mask.sum())
+        if self._buffered >= self.shard_tokens:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._buffer:
+            return
+        name = f"shard_{len(self.shards):05d}.safetensors"
+        tensors = {k: torch.cat([s[k] for s in self._buffer]) for k in self._buffer[0]}
+        tensors["sample_lengths"] = torch.tensor(
+            [len(s["input_ids"]) for s in self._buffer], dtype=torch.long
+        )
+        save_file(tensors, self._tmp / name)
+        self.shards.append({"file": name, "num_samples": len(self._buffer), "num_tokens": self._buffered})
+        self._buffer, self._buffered = [], 0
+
+    def close(self) -> Path:
+        """Write the last shard, the token counts and the manifest; move the folder into place."""
+        self._flush()
+        if not self.shards:
+            self.abort()
+            raise DataError(f"{self.path}: no samples were written")
+        save_file(
+            {"counts": self.counts, "argmax_counts": self.argmax_counts},
+            self._tmp / "token_counts.safetensors",
+        )
+        manifest = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "target": self.target,
+            "aux_layer_ids": self.aux_layer_ids,
+            "aux_layer_convention": AUX_CONVENTION,
+            "last_hidden": LAST_HIDDEN,
+            "dtype": dtype_name(self.dtype),
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "num_samples": self.num_samples,
+            "num_tokens": self.num_tokens,
+            "num_loss_tokens": self.num_loss_tokens,
+            "shards": self.shards,
+            "provenance": self.provenance,
+        }
+        (self._tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        if self.path.is_dir():  # the empty folder this writer was allowed to take
+            self.path.rmdir()
+        os.rename(self._tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> DataWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def capture_to_folder(
+    target,
+    samples: Iterable[Sample],
+    path: str | os.PathLike,
+    *,
+    num_tokens: int,
+    aux_layer_ids: list[int] | None = None,
+    batch_size: int = 8,
+    dtype: torch.dtype = torch.bfloat16,
+    shard_tokens: int = 65536,
+    provenance: dict | None = None,
+) -> Path:
+    """Run the target over samples until `num_tokens` tokens are captured; write a data folder.
+
+    Samples are batched with right padding; a pool of batches is sorted by length first so that
+    batches waste little on padding.
+    """
+    ids = target.check_aux_layer_ids(aux_layer_ids)
+    label = (provenance or {}).get("corpus", Path(path).name)
+    progress = progress_bar(total=num_tokens, unit="tok", desc=f"capture {label}")
+    samples = iter(samples)
+    with DataWriter(
+        path,
+        target=target.describe(),
+        aux_layer_ids=ids,
+        head=target.head_weights(),
+        dtype=dtype,
+        shard_tokens=shard_tokens,
+        provenance=provenance,
+    ) as writer:
+        while writer.num_tokens < num_tokens:
+            pool = _take_tokens(samples, num_tokens - writer.num_tokens, batch_size * 8)
+            if not pool:
+                break
+            pool.sort(key=lambda s: len(s.input_ids))
+            for start in range(0, len(pool), batch_size):
+                batch = pool[start : start + batch_size]
+                # right padding: a causal model's real positions never see what fills the rest
+                padded = collate([{"input_ids": s.input_ids} for s in batch])
+                captured = target.capture(padded["input_ids"], padded["attention_mask"], ids)
+                for row, sample in enumerate(batch):
+                    n = len(sample.input_ids)
+                    writer.add(
+                        sample.input_ids,
+                        sample.loss_mask,
+                        captured.aux_hidden_states[row, :n],
+                        captured.last_hidden_state[row, :n],
+                        captured.target_argmax[row, :n],
+                    )
+                    progress.update(n)
+        progress.close()
+        if writer.num_tokens < num_tokens:
+            raise DataError(
+                f"the text ran out after {writer.num_tokens} of the {num_tokens} tokens asked for; "
+                "ask for fewer tokens or a larger corpus"
+            )
+        return writer.close()
+
+
+def _take_tokens(samples: Iterator[Sample], tokens: int, max_samples: int) -> list[Sample]:
+    """Up to `max_samples` samples, stopping once they hold `tokens` tokens (the last one may overshoot)."""
+    taken, total = [], 0
+    for sample in samples:
+        taken.append(sample)
+        total += len(sample.input_ids)
+        if total >= tokens or len(taken) >= max_samples:
+            break
+    return taken
+
+
+def prepare(
+    target,
+    corpus: str,
+    path: str | os.PathLike,
+    *,
+    num_tokens: int,
+    text: str = "raw",
+    seq_len: int = 512,
+    max_new_tokens: int = 128,
+    prompt_chars: int = 600,
+    aux_layer_ids: list[int] | None = None,
+    batch_size: int = 8,
+    dtype: str = "bfloat16",
+    shard_tokens: int = 65536,
+    heldout_fraction: float = 0.1,
+    seed: int = 0,
+) -> Path:
+    """Training text of one corpus (raw or self-distilled) through the target into a data folder."""
+    if text == "raw":
+        samples = raw_samples(target.tokenizer, corpus, seq_len, heldout_fraction, seed)
+    elif text == "self-distill":
+        samples = self_distilled_samples(
+            target, corpus, seq_len, max_new_tokens, prompt_chars, batch_size, heldout_fraction, seed
+        )
+    else:
+        raise DataError(f"data.text must be raw or self-distill, got {text!r}")
+    provenance = {
+        **zoo.corpus_description(corpus),
+        "split": "train",
+        "heldout_fraction": heldout_fraction,
+        "seed": seed,
+        "text": text,
+        "seq_len": seq_len,
+    }
+    if text == "self-distill":
+        provenance.update(max_new_tokens=max_new_tokens, prompt_chars=prompt_chars, decoding="greedy")
+    return capture_to_folder(
+        target,
+        samples,
+        path,
+        num_tokens=num_tokens,
+        aux_layer_ids=aux_layer_ids,
+        batch_size=batch_size,
+        dtype=_parse_dtype(dtype, "data.dtype"),
+        shard_tokens=shard_tokens,
+        provenance=provenance,
+    )
+
+
+def corpora_to_prepare(params: dict) -> dict[str, str]:
+    """{which: corpus} for 00_prepare_data: `main` always, `source` when data.source_corpus is set."""
+    found = {"main": params["data"]["corpus"]}
+    if params["data"]["source_corpus"]:
+        found["source"] = params["data"]["source_corpus"]
+    for corpus in found.values():
+        if corpus not in zoo.CORPORA:
+            raise DataError(f"unknown corpus {corpus!r} in data params; known: {', '.join(zoo.CORPORA)}")
+    return found
+
+
+def prepare_for_run(target, params: dict, which: str, run_dir: str | os.PathLike) -> dict:
+    """00_prepare_data for one corpus: capture its data folder, build its vocab map from the counts, and
+    return the numbers the notebook reports."""
+    corpus = corpora_to_prepare(params)[which]
+    settings = params["data"]
+    folder = prepared_dir(run_dir, which)
+    start = time.perf_counter()
+    prepare(
+        target,
+        corpus,
+        folder,
+        num_tokens=settings["num_tokens"],
+        text=settings["text"],
+        seq_len=settings["seq_len"],
+        max_new_tokens=settings["max_new_tokens"],
+        prompt_chars=settings["prompt_chars"],
+        aux_layer_ids=params["target"]["aux_layer_ids"] or None,
+        batch_size=settings["batch_size"],
+        dtype=settings["dtype"],
+        shard_tokens=settings["shard_tokens"],
+        heldout_fraction=settings["heldout_fraction"],
+        seed=params["run"]["seed"],
+    )
+    seconds = time.perf_counter() - start
+    reader = DataReader(folder, target)
+    counts, argmax_counts = load_token_counts(folder)
+    vocab_map = VocabMap.from_counts(counts, settings["draft_vocab_size"], target.vocab_size, str(folder))
+    vocab_map.save(folder / VOCAB_MAP_FILE)
+    in_map = vocab_map.draft_ids
+    manifest = reader.manifest
+    return {
+        "corpus": corpus,
+        "folder": str(folder),
+        "samples": manifest["num_samples"],
+        "tokens": manifest["num_tokens"],
+        "loss_tokens": manifest["num_loss_tokens"],
+        "shards": len(manifest["shards"]),
+        "seconds": round(seconds, 1),
+        "tokens_per_second": round(manifest["num_tokens"] / seconds, 1),
+        "megabytes": round(sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20, 1),
+        "distinct_tokens": int((counts > 0).sum()),
+        "draft_vocab_size": vocab_map.vd,
+        "input_coverage": float(counts[in_map].sum() / counts.sum()),
+        "prediction_coverage": float(argmax_counts[in_map].sum() / argmax_counts.sum()),
+        "aux_layer_ids": manifest["aux_layer_ids"],
+        "target": manifest["target"]["name"],
+        "fingerprint": manifest["target"]["fingerprint"],
+    }
