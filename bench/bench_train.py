@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 
 from eagle3lib import runs, train
+from eagle3lib.data import TrainingData
 from eagle3lib.loss import Targets, drafter_rows, ttt_sums
+from eagle3lib.trainer import Processes, Trainer
 from eagle3lib.vocab import VocabMap
 
 HIDDEN, VT, VD, AUX = 576, 49_152, 4_096, 3
@@ -82,7 +84,7 @@ def main() -> None:
     }
     counts = torch.randint(0, 1000, (VT,), generator=generator)
     vocab_map = VocabMap.from_counts(counts, VD, VT)
-    data = train.TrainingData(RandomBatches(vocab_map, head["lm_head.weight"]), vocab_map, head, HIDDEN, VT,
+    data = TrainingData(RandomBatches(vocab_map, head["lm_head.weight"]), vocab_map, head, HIDDEN, VT,
                               [1, 14, 26], "random SmolLM2-sized data")
     params = runs.load_params(None, {
         "run": {"device": args.device},
@@ -90,7 +92,7 @@ def main() -> None:
                   "micro_batch_size": args.batch_size, "seq_len": args.seq_len, "ttt_steps": args.ttt_steps,
                   "dtype": args.dtype, "checkpoint_every": 0, "warmup_steps": 1, "scratch": SIZES},
     })
-    procs = train.Processes.start(args.device)
+    procs = Processes.start(args.device)
     drafter, _ = train.init_drafter("scratch", params["train"], data, seed=0)
     parameters = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     print(f"drafter: {parameters / 1e6:.1f} M trainable parameters; batch {args.batch_size} x T "
@@ -98,7 +100,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
 
     with tempfile.TemporaryDirectory() as out:
-        trainer = train.Trainer(drafter, data, params["train"], 0, Path(out), procs, log=lambda message: None)
+        trainer = Trainer(drafter, data, params["train"], 0, Path(out), procs, log=lambda message: None)
         trainer.fit()
         logged = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     print(f"training: {logged[-1]['tokens_per_s']:.0f} tokens/s over {args.steps} optimizer steps "

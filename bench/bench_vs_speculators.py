@@ -46,6 +46,8 @@ import torch.nn.functional as F
 from eagle3lib import runs, train
 from eagle3lib.checkpoint import SGLANG_PREFIX, SPECULATORS_PREFIX, checkpoint_tensors
 from eagle3lib.config import to_speculators_dict
+from eagle3lib.data import TrainingData
+from eagle3lib.trainer import Processes, Trainer
 from eagle3lib.vocab import VocabMap
 
 HIDDEN, VT, VD, AUX_IDS = 576, 49_152, 4_096, [1, 14, 26]
@@ -83,9 +85,9 @@ def random_target(rows: int, seed: int = 0) -> tuple[VocabMap, dict[str, torch.T
     return vocab_map, head, batch, pre_norm
 
 
-def eagle3lib_trainer(rows: int, ttt_steps: int, vocab_map: VocabMap, head: dict) -> train.Trainer:
+def eagle3lib_trainer(rows: int, ttt_steps: int, vocab_map: VocabMap, head: dict) -> Trainer:
     """eagle3lib's Trainer on a fresh scratch drafter, configured as speculators trains."""
-    data = train.TrainingData(None, vocab_map, head, HIDDEN, VT, AUX_IDS, "random SmolLM2-sized target")
+    data = TrainingData(None, vocab_map, head, HIDDEN, VT, AUX_IDS, "random SmolLM2-sized target")
     params = runs.load_params(None, {
         "run": {"device": "cpu"},
         "train": {"ttt_steps": ttt_steps, "seq_len": rows + 1, "batch_size": 1, "micro_batch_size": 1,
@@ -94,7 +96,7 @@ def eagle3lib_trainer(rows: int, ttt_steps: int, vocab_map: VocabMap, head: dict
     })
     drafter, _ = train.init_drafter("scratch", params["train"], data, seed=0)
     # the batch is handed to each step here; the trainer's own batch stream is never read
-    return train.Trainer(drafter, data, params["train"], 0, None, train.Processes(), log=lambda message: None)
+    return Trainer(drafter, data, params["train"], 0, None, Processes(), log=lambda message: None)
 
 
 @dataclass
@@ -116,7 +118,7 @@ class SpeculatorsSide:
         return grad_norm
 
 
-def speculators_side(trainer: train.Trainer, head: dict, batch: dict, pre_norm: torch.Tensor, attn: str,
+def speculators_side(trainer: Trainer, head: dict, batch: dict, pre_norm: torch.Tensor, attn: str,
                      ttt_steps: int) -> SpeculatorsSide:
     """speculators' Eagle3DraftModel with the drafter's weights, and the same batch in its own layout."""
     from speculators.losses import resolve_loss_config
@@ -153,7 +155,7 @@ def speculators_side(trainer: train.Trainer, head: dict, batch: dict, pre_norm: 
     return SpeculatorsSide(model, optimizer, inputs, ttt_steps, resolve_loss_config("kl_div", "eager"))
 
 
-def eagle3lib_step(trainer: train.Trainer, batch: dict) -> float:
+def eagle3lib_step(trainer: Trainer, batch: dict) -> float:
     """One optimizer step as Trainer.fit runs it; returns the gradient norm."""
     _, grad_norm, _ = trainer._optimizer_step(batch)
     trainer.optimizer.step()
@@ -165,7 +167,7 @@ def eagle3lib_step(trainer: train.Trainer, batch: dict) -> float:
 # ----------------------------------------------------------------------------- checks and measurements
 
 
-def check_same_gradients(trainer: train.Trainer, batch: dict, side: SpeculatorsSide) -> str:
+def check_same_gradients(trainer: Trainer, batch: dict, side: SpeculatorsSide) -> str:
     """One forward/backward of each (no optimizer step); the gradients must agree."""
     _, ours_norm, _ = trainer._optimizer_step(batch)
     side.optimizer.zero_grad()

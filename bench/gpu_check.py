@@ -41,6 +41,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from eagle3lib import model, runs, train
 from eagle3lib.config import default_aux_layer_ids
+from eagle3lib.data import TrainingData
+from eagle3lib.trainer import Processes, Trainer
 from eagle3lib.vocab import VocabMap
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,10 +129,10 @@ def build_on_device(shape: argparse.Namespace, device: torch.device, seed: int =
         "seq_len": T, "ttt_steps": shape.ttt_steps, "micro_batch_size": 1, "batch_size": 1, "dtype": "bf16",
         "train_lm_head": False, "checkpoint_every": 0, "scratch": sizes}})["train"]
     aux_ids = default_aux_layer_ids(61)
-    data = train.TrainingData(None, vocab_map, head, H, vt, aux_ids, "Kimi-K2.5-shaped random target")
+    data = TrainingData(None, vocab_map, head, H, vt, aux_ids, "Kimi-K2.5-shaped random target")
     with torch.device(device):
         drafter, _ = train.init_drafter("scratch", t, data, seed=seed)
-    trainer = train.Trainer(drafter, data, t, seed, None, train.Processes(device=device), log=lambda m: None)
+    trainer = Trainer(drafter, data, t, seed, None, Processes(device=device), log=lambda m: None)
     head["lm_head.weight"] = head["lm_head.weight"].cpu()  # a real run keeps it on the host, as the plan does
     pre_norm = torch.randn(1, T, H, generator=generator, device=device, dtype=torch.bfloat16)
     last = F.rms_norm(pre_norm.float(), (H,), head["norm.weight"].float(), 1e-6)
@@ -152,7 +154,7 @@ def forced(kernel: model.PrefixAttentionKernel | None):
     return model.forced_prefix_kernel(kernel) if kernel else contextlib.nullcontext()
 
 
-def compare_paths(trainer: train.Trainer, batch: dict, checks: Checks) -> None:
+def compare_paths(trainer: Trainer, batch: dict, checks: Checks) -> None:
     """Forward and backward of one batch from the same weights (no optimizer step in between) on the fused
     and on the blocked path: the same loss per TTT step and gradient norm."""
     first = {}

@@ -3,7 +3,7 @@
     .venv/bin/python bench/memory_plan.py [--seq-len 2048] [--ttt-steps 7] [--attention blocks|fused]
 
 Nothing here is a formula. The trainer is built as it is for a real run (`train.init_drafter` for the
-scratch arm, `train.Trainer` with the params' defaults), but from fake tensors (shapes and dtypes, no
+scratch arm, `Trainer` with the params' defaults), but from fake tensors (shapes and dtypes, no
 memory): the target head the data folder supplies (embed_tokens and lm_head [Vt, Ht] in the target's
 dtype), the drafter, its attached embedding, the trainer's draft head. One optimizer step then runs through
 the trainer's own pieces: the verifier targets (`verifier_draft_logits`, softmax), `TTTObjective` (the
@@ -35,7 +35,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from eagle3lib import model, runs, train
 from eagle3lib.config import default_aux_layer_ids
+from eagle3lib.data import TrainingData
 from eagle3lib.loss import Targets, verifier_draft_logits, weighted_loss
+from eagle3lib.trainer import Processes, Trainer
 from eagle3lib.vocab import VocabMap
 
 GIB = 2**30
@@ -126,7 +128,7 @@ def unique_bytes(tensors) -> int:
     return sum(storages.values())
 
 
-def build_trainer(args: argparse.Namespace, fake: FakeTensorMode) -> tuple[train.Trainer, dict, dict]:
+def build_trainer(args: argparse.Namespace, fake: FakeTensorMode) -> tuple[Trainer, dict, dict]:
     """The scratch arm's Trainer from the params' defaults, on fake CPU tensors; its data head and a batch."""
     sizes = {"num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
              "head_dim": args.head_dim, "intermediate_size": args.intermediate, "rms_norm_eps": 1e-6,
@@ -149,12 +151,12 @@ def build_trainer(args: argparse.Namespace, fake: FakeTensorMode) -> tuple[train
         head = {"embed_tokens.weight": torch.empty(args.vt, H, dtype=data_dtype),
                 "norm.weight": torch.empty(H, dtype=data_dtype),
                 "lm_head.weight": torch.empty(args.vt, H, dtype=data_dtype)}
-        data = train.TrainingData(None, vocab_map, head, H, args.vt, default_aux_layer_ids(61), "Kimi-K2.5")
+        data = TrainingData(None, vocab_map, head, H, args.vt, default_aux_layer_ids(61), "Kimi-K2.5")
         drafter, _ = train.init_drafter("scratch", t, data, seed=0)
     vocab_map.draft_ids = real_ids
 
     with fake:
-        trainer = train.Trainer(drafter, data, t, 0, None, train.Processes(), log=lambda message: None)
+        trainer = Trainer(drafter, data, t, 0, None, Processes(), log=lambda message: None)
         for group in trainer.optimizer.param_groups:
             group["foreach"] = True  # what AdamW picks for CUDA tensors
         batch = {"input_ids": torch.zeros(B, T, dtype=torch.long),
@@ -166,7 +168,7 @@ def build_trainer(args: argparse.Namespace, fake: FakeTensorMode) -> tuple[train
     return trainer, head, batch
 
 
-def trace_steps(trainer: train.Trainer, head: dict, batch: dict, args: argparse.Namespace
+def trace_steps(trainer: Trainer, head: dict, batch: dict, args: argparse.Namespace
                 ) -> tuple[StorageTracker, dict[str, int]]:
     """Two optimizer steps under the tracker: the first makes the AdamW state, the second is every later
     step (that state held). Returns the tracker (peaks of the second step) and what its forward saved."""
@@ -223,7 +225,7 @@ def trace_steps(trainer: train.Trainer, head: dict, batch: dict, args: argparse.
     return tracker, saved
 
 
-def report(trainer: train.Trainer, head: dict, batch: dict, tracker: StorageTracker, saved: dict,
+def report(trainer: Trainer, head: dict, batch: dict, tracker: StorageTracker, saved: dict,
            args: argparse.Namespace) -> None:
     t, drafter = trainer.train, trainer.drafter
     B, T = batch["input_ids"].shape

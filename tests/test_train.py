@@ -16,6 +16,8 @@ import torch
 from eagle3lib import data, loss, runs, train
 from eagle3lib.capture import DataWriter
 from eagle3lib.checkpoint import load_drafter, save_drafter
+from eagle3lib.data import TrainingData
+from eagle3lib.trainer import BatchStream, Processes, Trainer, TrainingDiverged, TrainingError
 from eagle3lib.vocab import VocabMap, load_counts
 
 VT, VD, H, A, T = 128, 64, 32, 3, 16
@@ -65,7 +67,7 @@ def data_folder(tmp_path_factory) -> dict:
     return {"data": str(folder), "vocab_map": str(map_path)}
 
 
-def synthetic_data(folders: dict) -> train.TrainingData:
+def synthetic_data(folders: dict) -> TrainingData:
     train = {**runs.DEFAULTS["train"], "data": folders["data"], "vocab_map": folders["vocab_map"]}
     return data.training_data(train, None)
 
@@ -207,13 +209,13 @@ def _other_map(vocab_map: VocabMap) -> VocabMap:
 def test_step0_check_catches_a_shuffled_map_and_passes_after_remap(tmp_path, data_folder):
     source = _trained_drafter(tmp_path, data_folder)
     training = synthetic_data(data_folder)
-    moved = train.TrainingData(**{**training.__dict__, "vocab_map": _other_map(training.vocab_map)})
+    moved = TrainingData(**{**training.__dict__, "vocab_map": _other_map(training.vocab_map)})
     assert int((moved.vocab_map.draft_ids == training.vocab_map.draft_ids).sum()) < 10
     params = tiny_params(data_folder, drafter=source, allow_no_remap=True)
     checks = {}
     for arm in ("drafter", "drafter-no-remap"):
         drafter, report = train.init_drafter(arm, params["train"], moved, seed=0)
-        trainer = train.Trainer(drafter, moved, params["train"], 0, tmp_path / arm, train.Processes())
+        trainer = Trainer(drafter, moved, params["train"], 0, tmp_path / arm, Processes())
         metrics, baseline = trainer.evaluate(trainer.check_batches())
         checks[arm] = train.diagnose(metrics, baseline, VD, warm_start=True)
         assert ("proof PASSED" in report) == (arm == "drafter")
@@ -235,7 +237,7 @@ def test_step0_check_catches_a_shuffled_map_and_passes_after_remap(tmp_path, dat
 
 
 def test_no_remap_arm_needs_the_explicit_flag(data_folder):
-    with pytest.raises(train.TrainingError, match="allow_no_remap"):
+    with pytest.raises(TrainingError, match="allow_no_remap"):
         train.init_drafter("drafter-no-remap", tiny_params(data_folder, drafter="x")["train"],
                            synthetic_data(data_folder), seed=0)
 
@@ -245,7 +247,7 @@ def test_drafter_for_another_target_is_refused(tmp_path, data_folder):
     source.config.aux_layer_ids = [2, 5, 7]
     save_drafter(source, tmp_path / "other_aux")
     params = tiny_params(data_folder, drafter=str(tmp_path / "other_aux"))
-    with pytest.raises(train.TrainingError, match=r"aux layers \[2, 5, 7\].*\[0, 1, 2\]"):
+    with pytest.raises(TrainingError, match=r"aux layers \[2, 5, 7\].*\[0, 1, 2\]"):
         train.init_drafter("drafter", params["train"], synthetic_data(data_folder), seed=0)
 
 
@@ -254,7 +256,7 @@ def test_resume_continues_bit_for_bit(tmp_path, data_folder, monkeypatch):
     whole = train.train_arms(params, tmp_path / "whole")["scratch"]
 
     calls = {"n": 0}
-    original = train.BatchStream.next
+    original = BatchStream.next
 
     def interrupted(self):
         calls["n"] += 1
@@ -262,10 +264,10 @@ def test_resume_continues_bit_for_bit(tmp_path, data_folder, monkeypatch):
             raise KeyboardInterrupt
         return original(self)
 
-    monkeypatch.setattr(train.BatchStream, "next", interrupted)
+    monkeypatch.setattr(BatchStream, "next", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train.train_arms(params, tmp_path / "cut")
-    monkeypatch.setattr(train.BatchStream, "next", original)
+    monkeypatch.setattr(BatchStream, "next", original)
     folder = tmp_path / "cut" / "scratch"
     assert [p.name for p in (folder / "checkpoints").iterdir()] == ["step_000003"]
     assert len((folder / "metrics.jsonl").read_text().splitlines()) == 5
@@ -281,7 +283,7 @@ def test_resume_continues_bit_for_bit(tmp_path, data_folder, monkeypatch):
         assert torch.equal(x, y), name
     changed = tiny_params(data_folder, steps=8, log_every=2, checkpoint_every=3, lr=1e-3)
     (folder / "summary.json").unlink()
-    with pytest.raises(train.TrainingError, match="differ from the checkpoint's in lr"):
+    with pytest.raises(TrainingError, match="differ from the checkpoint's in lr"):
         train.train_arms(changed, tmp_path / "cut", resume=True)
 
 
@@ -300,10 +302,10 @@ class PoisonedReader:
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, data_folder):
     training = synthetic_data(data_folder)
-    training = train.TrainingData(**{**training.__dict__, "reader": PoisonedReader(training.reader)})
-    with pytest.raises(train.TrainingDiverged, match=r"step 3 .*after step 2.*step_000002"):
+    training = TrainingData(**{**training.__dict__, "reader": PoisonedReader(training.reader)})
+    with pytest.raises(TrainingDiverged, match=r"step 3 .*after step 2.*step_000002"):
         train.train_arm("scratch", tiny_params(data_folder, steps=10), tmp_path, training,
-                        train.Processes())
+                        Processes())
     last_good = tmp_path / "scratch" / "checkpoints" / "step_000002"
     assert [p.name for p in last_good.parent.iterdir()] == ["step_000002"]
     saved, report = load_drafter(last_good / "drafter", strict=True)
@@ -312,15 +314,15 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, data_folder
 
 
 def test_bad_settings_are_refused(tmp_path, data_folder):
-    with pytest.raises(train.TrainingError, match="multiple of train.micro_batch_size"):
+    with pytest.raises(TrainingError, match="multiple of train.micro_batch_size"):
         train.train_arms(tiny_params(data_folder, batch_size=3), tmp_path / "a")
-    with pytest.raises(train.TrainingError, match="fewer than batch_size=64"):
+    with pytest.raises(TrainingError, match="fewer than batch_size=64"):
         train.train_arms(tiny_params(data_folder, batch_size=64, micro_batch_size=64), tmp_path / "b")
-    with pytest.raises(train.TrainingError, match="each must be one of"):
+    with pytest.raises(TrainingError, match="each must be one of"):
         train.train_arms(tiny_params(data_folder, arms=["warm"]), tmp_path / "c")
-    with pytest.raises(train.TrainingError, match=r"train.micro_batch_size must be an integer >= 1, got 0"):
+    with pytest.raises(TrainingError, match=r"train.micro_batch_size must be an integer >= 1, got 0"):
         train.train_arms(tiny_params(data_folder, micro_batch_size=0), tmp_path / "c")
-    with pytest.raises(train.TrainingError, match="train.dtype must be auto, fp32 or bf16"):
+    with pytest.raises(TrainingError, match="train.dtype must be auto, fp32 or bf16"):
         train.train_arms(tiny_params(data_folder, dtype="fp16"), tmp_path / "c")
     assert not (tmp_path / "c").exists()
     other_vt = VocabMap.from_ids(torch.arange(VD), VT + 1).save(tmp_path / "other_vt.safetensors")

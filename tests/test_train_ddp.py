@@ -8,6 +8,7 @@ import torch
 
 from eagle3lib import train
 from eagle3lib.checkpoint import load_drafter
+from eagle3lib.trainer import TrainingError
 from tests.test_train import data_folder, tiny_params  # noqa: F401  (data_folder is a fixture)
 
 STEPS = 4
@@ -43,5 +44,5 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path, data_folde
 def test_a_failing_job_reports_each_ranks_error(tmp_path, data_folder):  # noqa: F811
     params = tiny_params({**data_folder, "data": str(tmp_path / "nowhere")}, nproc=2)
     expected = r"(?s)torchrun exited with code.*rank 0\): .*nowhere: data folder not found"
-    with pytest.raises(train.TrainingError, match=expected):
+    with pytest.raises(TrainingError, match=expected):
         train.train_arms(params, tmp_path / "out")

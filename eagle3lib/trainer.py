@@ -1,0 +1,450 @@
+"""The trainer: train-time-test steps of one drafter over a stream of batches, in-process or as one rank of
+a torchrun job; optimizer, schedule, accumulation, checkpoints and bit-for-bit resume.
+
+`eagle3lib.train` builds drafters and runs the experiment around this (arms, warm starts with the remap,
+the step-0 check, the torchrun launcher).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from eagle3lib import runs
+from eagle3lib.checkpoint import load_drafter, save_drafter
+from eagle3lib.data import TrainingData
+from eagle3lib.loss import (
+    StepSums,
+    Targets,
+    ce_row_counts,
+    drafter_rows,
+    position_masks,
+    step_weights,
+    summarize,
+    ttt_sums,
+    weighted_loss,
+)
+from eagle3lib.model import Eagle3Drafter
+from eagle3lib.progress import progress as progress_bar
+from eagle3lib.target import resolve_device
+
+STATE_FILE = "training_state.pt"
+# train params that do not change what is computed: a resumed run may set them differently
+RESUME_FREE = ("arms", "nproc", "log_every", "checkpoint_every", "keep_checkpoints", "check_batches",
+               "check_enforce", "save_speculators")
+
+
+class TrainingError(ValueError):
+    """Training cannot start or continue as asked; the message says what to check."""
+
+
+class TrainingDiverged(TrainingError):
+    pass
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Processes:
+    """This process's place in a torchrun job (rank 0 of 1 when run plainly)."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @classmethod
+    def start(cls, device: str) -> Processes:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size == 1:
+            return cls(device=resolve_device(device))
+        local_rank = int(os.environ["LOCAL_RANK"])
+        wanted = resolve_device(device)
+        if wanted.type == "cuda":
+            torch.cuda.set_device(local_rank)
+            wanted = torch.device("cuda", local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if wanted.type == "cuda" else "gloo")
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=wanted)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=0)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+# ----------------------------------------------------------------------------- data
+
+
+class BatchStream:
+    """Global batches in a seeded order, epoch after epoch; `state` (epoch, batch index) is what a
+    checkpoint keeps, so a resumed run sees exactly the batches an uninterrupted one would.
+
+    Every rank reads the same global batch and keeps its own slice of it, so the result does not depend
+    on the number of processes. A short last batch of an epoch is left out (logged once).
+    """
+
+    def __init__(self, reader, batch_size: int, seq_len: int, seed: int, log=print):
+        self.reader, self.batch_size, self.seq_len, self.seed = reader, batch_size, seq_len, seed
+        self.log = log
+        self.epoch, self.index = 0, 0
+        self._batches: Iterator[dict] | None = None
+
+    @property
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def restore(self, state: dict) -> None:
+        self.epoch, self.index, self._batches = state["epoch"], state["index"], None
+
+    def _open_epoch(self) -> Iterator[dict]:
+        seed = self.seed + self.epoch
+        batches = self.reader.batches(self.batch_size, self.seq_len, shuffle=True, seed=seed)
+        for _ in range(self.index):  # resume: skip the batches this epoch already gave
+            next(batches)
+        return batches
+
+    def next(self) -> dict:
+        for _ in range(2):
+            if self._batches is None:
+                self._batches = self._open_epoch()
+            for batch in self._batches:
+                size = len(batch["input_ids"])
+                if size == self.batch_size:
+                    self.index += 1
+                    return batch
+                if self.epoch == 0:
+                    self.log(f"each epoch leaves out its last {size} sequence(s): fewer than batch_size="
+                             f"{self.batch_size}")
+            if self.index == 0:
+                break
+            self.epoch, self.index, self._batches = self.epoch + 1, 0, None
+        raise TrainingError(
+            f"the data holds fewer than batch_size={self.batch_size} sequences of up to seq_len="
+            f"{self.seq_len} tokens; lower train.batch_size or prepare more data"
+        )
+
+
+def split_batch(batch: dict, parts: int, part: int) -> dict:
+    """Rows [part*n, (part+1)*n) of every tensor, n = rows / parts."""
+    rows = len(batch["input_ids"]) // parts
+    return {key: value[part * rows : (part + 1) * rows] for key, value in batch.items()}
+
+
+# ----------------------------------------------------------------------------- the objective
+
+
+class TTTObjective(nn.Module):
+    """The drafter's unrolled forward and its per-step sums, as one module: DDP wraps `forward` only."""
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, draft_ids: torch.Tensor):
+        super().__init__()
+        self.drafter, self.steps = drafter, steps
+        self.register_buffer("draft_ids", draft_ids, persistent=False)
+
+    def forward(self, batch: dict, targets: Targets) -> StepSums:
+        input_ids, aux = drafter_rows(batch["input_ids"], batch["aux_hidden_states"])
+        rows = input_ids.shape[1]
+        step_logits = (  # row t of step k has a target only for t < rows - k
+            self.drafter.compute_logits(layer_out[:, : rows - k])
+            for k, layer_out in enumerate(self.drafter.unroll_steps(input_ids, aux, self.steps))
+        )
+        return ttt_sums(step_logits, targets, self.draft_ids)
+
+
+def micro_batches_per_rank(train: dict, world_size: int) -> int:
+    """Gradient-accumulation steps: batch_size = micro_batch_size x world_size x this."""
+    per_rank, rest = divmod(train["batch_size"], world_size * train["micro_batch_size"])
+    if rest or per_rank == 0:
+        raise TrainingError(
+            f"train.batch_size={train['batch_size']} must be a multiple of train.micro_batch_size="
+            f"{train['micro_batch_size']} x {world_size} processes"
+        )
+    return per_rank
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Linear warmup to 1, then cosine decay to min_lr_ratio at total_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Trainer:
+    """Trains one drafter with TTT; `fit()` runs to `train.steps`, from the last checkpoint when resuming."""
+
+    def __init__(self, drafter: Eagle3Drafter, data: TrainingData, train: dict, seed: int, out: Path,
+                 procs: Processes, log=print):
+        self.train, self.seed, self.out, self.procs, self.log = train, seed, out, procs, log
+        self.data = data
+        self.micro_batches = micro_batches_per_rank(train, procs.world_size)
+        device = procs.device
+        self.drafter = drafter.to(device)
+        self.drafter.lm_head.weight.requires_grad_(train["train_lm_head"])
+        draft_ids = data.vocab_map.draft_ids.to(device)
+        self.draft_head = data.head["lm_head.weight"][data.vocab_map.draft_ids].float().to(device)
+        self.t2d = data.vocab_map.t2d.to(device)
+        self.objective = TTTObjective(self.drafter, train["ttt_steps"], draft_ids)
+        self.model = self.objective
+        if procs.world_size > 1:
+            self.model = DistributedDataParallel(
+                self.objective, device_ids=[device.index] if device.type == "cuda" else None,
+                forward_sync_buffers=False,  # d2t/t2d/the embedding are the same everywhere and constant
+            )
+        self.weights = step_weights(train["ttt_steps"], train["step_decay"])
+        self.parameters = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.parameters, lr=train["lr"], betas=tuple(train["betas"]), weight_decay=train["weight_decay"]
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: lr_factor(step, train["warmup_steps"], train["steps"], train["min_lr_ratio"]),
+        )
+        self.stream = BatchStream(data.reader, train["batch_size"], train["seq_len"], seed, log=self.log)
+        self.step = 0
+        self.autocast_dtype = _autocast_dtype(train["dtype"], device)
+
+    def to_device(self, batch: dict) -> dict:
+        return {key: value.to(self.procs.device, non_blocking=True) for key, value in batch.items()}
+
+    def autocast(self):
+        """bf16 autocast when `train.dtype` asks for it (and `auto` finds a GPU that does it well)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.procs.device.type, dtype=self.autocast_dtype)
+
+    def _targets(self, batch: dict) -> Targets:
+        return Targets.from_batch(batch, self.draft_head, self.t2d)
+
+    # ------------------------------------------------------------------ step-0 check and evaluation
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[dict]) -> tuple[dict, float]:
+        """Metrics of the current drafter on `batches`, and the most-frequent-token accuracy baseline."""
+        sums = torch.zeros(5, self.train["ttt_steps"], dtype=torch.float64)
+        counts = torch.zeros(self.data.vocab_size, dtype=torch.float64)
+        for batch in batches:
+            batch = self.to_device(batch)
+            targets = self._targets(batch)
+            with self.autocast():
+                sums += self.objective(batch, targets).detached().cpu()
+            counted = targets.argmax[:, 1:][targets.counted[:, 1:]].cpu()
+            counts += torch.bincount(counted, minlength=self.data.vocab_size).double()
+        baseline = float(counts.max() / counts.sum().clamp(min=1))
+        sums = self.procs.broadcast(sums.to(self.procs.device)).cpu()
+        return summarize(sums, self.weights), baseline
+
+    def check_batches(self) -> list[dict]:
+        """The first `check_batches` batches of the data, unshuffled: the same for every arm and rank."""
+        t = self.train
+        batches = self.data.reader.batches(t["micro_batch_size"], t["seq_len"], shuffle=False, seed=0)
+        return [batch for _, batch in zip(range(t["check_batches"]), batches, strict=False)]
+
+    # ------------------------------------------------------------------ one optimizer step
+
+    def _optimizer_step(self, batch: dict) -> tuple[torch.Tensor, float, int]:
+        """Forward/backward over this rank's micro-batches of one global batch, then one AdamW step.
+
+        Returns the step's sums [5, K] (all ranks), the gradient norm, and the tokens seen by all ranks.
+        """
+        procs, n_micro = self.procs, self.micro_batches
+        mine = split_batch(batch, procs.world_size, procs.rank)
+        micro = [self.to_device(split_batch(mine, n_micro, i)) for i in range(n_micro)]
+        masks = [position_masks(m, self.t2d) for m in micro]
+        # the loss is a mean over the global batch's rows: count them before any backward
+        steps = self.train["ttt_steps"]
+        ce_rows = sum(ce_row_counts(m["in_draft"], m["counted"], steps) for m in masks)
+        ce_rows = procs.all_reduce(ce_rows.double())
+        sums = torch.zeros(5, self.train["ttt_steps"], dtype=torch.float64, device=procs.device)
+        for i, m in enumerate(micro):
+            sync = i == n_micro - 1 or procs.world_size == 1
+            with contextlib.nullcontext() if sync else self.model.no_sync():
+                targets = self._targets(m)
+                with self.autocast():
+                    step_sums = self.model(m, targets)
+                # DDP averages gradients over ranks; the global mean needs their sum
+                loss = weighted_loss(step_sums.ce, ce_rows, self.weights) * procs.world_size
+                loss.backward()
+            sums += step_sums.detached()
+        procs.all_reduce(sums)
+        max_norm = self.train["max_grad_norm"] or float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm))
+        tokens = procs.all_reduce(sum(m["attention_mask"].sum() for m in micro).double())
+        return sums, grad_norm, int(tokens)
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self, resume: bool = False) -> dict:
+        t, procs = self.train, self.procs
+        metrics_path = self.out / "metrics.jsonl"
+        if resume:
+            self._restore_latest(metrics_path)
+        window = torch.zeros(5, t["ttt_steps"], dtype=torch.float64)
+        window_tokens, window_start, last = 0, time.perf_counter(), {}
+        progress = progress_bar(total=t["steps"], initial=self.step, desc=self.out.name,
+                                disable=not procs.main)
+        while self.step < t["steps"]:
+            data_state = dict(self.stream.state)
+            batch = self.stream.next()
+            sums, grad_norm, tokens = self._optimizer_step(batch)
+            if not (math.isfinite(float(sums[0].sum())) and math.isfinite(grad_norm)):
+                self.optimizer.zero_grad(set_to_none=True)
+                path = self.save_checkpoint(data_state)
+                raise TrainingDiverged(
+                    f"{self.out.name}: loss or gradient is not finite at step {self.step + 1} (loss "
+                    f"{float(sums[0].sum()):.4g}, grad norm {grad_norm:.4g}); training stopped, the last "
+                    f"good state (after step {self.step}) is saved at {path}. Lower train.lr or "
+                    "train.max_grad_norm, or check the data for non-finite hidden states"
+                )
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            window += sums.cpu()
+            window_tokens += tokens
+            if self.step % t["log_every"] == 0 or self.step == t["steps"]:
+                elapsed = time.perf_counter() - window_start
+                last = {
+                    "step": self.step,
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm,
+                    "tokens_per_s": window_tokens / elapsed,
+                    **summarize(window, self.weights),
+                }
+                if procs.main:
+                    with metrics_path.open("a") as handle:
+                        handle.write(json.dumps(last) + "\n")
+                progress.set_postfix(loss=f"{last['loss']:.3f}", acc_0=f"{100 * last['acc_0']:.1f} %",
+                                     tau=f"{last['tau']:.2f}")
+                window.zero_()
+                window_tokens, window_start = 0, time.perf_counter()
+            progress.update(1)
+            if t["checkpoint_every"] and self.step % t["checkpoint_every"] == 0 and self.step < t["steps"]:
+                self.save_checkpoint(self.stream.state)
+        progress.close()
+        return last
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.out / "checkpoints"
+
+    def save_checkpoint(self, data_state: dict) -> Path:
+        """`checkpoints/step_NNNNNN/`: the drafter (SGLang layout) and the training state, written to a
+        temporary folder and renamed into place; older ones beyond `keep_checkpoints` are removed."""
+        path = self.checkpoint_dir / f"step_{self.step:06d}"
+        if self.procs.main:
+            with runs.staged_folder(path, replace=True) as staging:
+                save_drafter(self.drafter, staging / "drafter", layout="sglang")
+                torch.save(
+                    {
+                        "step": self.step,
+                        "optimizer": self.optimizer.state_dict(),
+                        "scheduler": self.scheduler.state_dict(),
+                        "data": data_state,
+                        "rng": _rng_state(),
+                        "train": self.train,
+                        "seed": self.seed,
+                        "world_size": self.procs.world_size,
+                    },
+                    staging / STATE_FILE,
+                )
+            for old in self.checkpoints()[: -self.train["keep_checkpoints"] or None]:
+                shutil.rmtree(old)
+        self.procs.barrier()
+        return path
+
+    def checkpoints(self) -> list[Path]:
+        if not self.checkpoint_dir.is_dir():
+            return []
+        return sorted(p for p in self.checkpoint_dir.glob("step_*") if (p / STATE_FILE).is_file())
+
+    def _restore_latest(self, metrics_path: Path) -> None:
+        found = self.checkpoints()
+        if not found:
+            self.log(f"resume: no checkpoint under {self.checkpoint_dir}; starting at step 0")
+            return
+        path = found[-1]
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+        changed = sorted(
+            key for key, value in self.train.items()
+            if key not in RESUME_FREE and state["train"].get(key) != value
+        )
+        if changed or state["seed"] != self.seed:
+            raise TrainingError(
+                f"resume from {path}: the run's params differ from the checkpoint's in "
+                f"{', '.join(changed) or 'run.seed'}; resume with the same params"
+            )
+        saved = load_drafter(path / "drafter", strict=True, dtype=torch.float32)[0].state_dict()
+        with torch.no_grad():
+            for name, tensor in self.drafter.state_dict().items():
+                tensor.copy_(saved[name])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.stream.restore(state["data"])
+        _set_rng_state(state["rng"])
+        self.step = state["step"]
+        if self.procs.main and metrics_path.exists():  # drop entries logged after that checkpoint
+            lines = metrics_path.read_text().splitlines()
+            kept = [line for line in lines if json.loads(line)["step"] <= self.step]
+            runs.atomic_write_text(metrics_path, "".join(line + "\n" for line in kept))
+        self.log(f"resumed from {path} at step {self.step}")
+
+
+def _autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast where the hardware does it well (`auto`: CUDA with bf16), else plain float32.
+
+    `auto` never picks bf16 on a CPU, even one with bf16 instructions: bench/bench_train.py measured bf16
+    autocast *training* about 10x slower than float32 on the project's CPU (16 vs 166 tokens/s; the
+    backward's casts and bf16 reductions have no fast CPU kernels), while bf16 *inference* is fast there."""
+    if dtype == "fp32":
+        return None
+    if dtype == "bf16":
+        return torch.bfloat16
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
