@@ -27,6 +27,9 @@ layout save carries the token embedding (the drafter's own or the attached targe
 saves it: speculators loads a checkpoint without one with a NaN embedding and no warning. `convert` and
 `save_drafter(..., engines=...)` refuse an export that a project reading that layout would compute
 differently (`DrafterConfig.engine_mismatches`), unless `allow_engine_mismatch`.
+
+It runs past 600 lines: both layouts, SpecForge training states and the engines' faithfulness checks
+share one strict load report, so they stay in one place.
 """
 
 from __future__ import annotations

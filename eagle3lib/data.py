@@ -13,8 +13,8 @@ A data folder holds
 
 `eagle3lib.sources` makes the training text and `eagle3lib.capture` writes folders (through the target);
 this module reads them, and also takes SpecForge dumps (`data_*.ckpt`) and speculators dumps
-(`hs_*.safetensors`), which is how large targets are captured with a serving engine. It runs past 600
-lines because `DataReader` reads three formats into one batch format; the dump readers are its methods.
+(`hs_*.safetensors`), which is how large targets are captured with a serving engine: `DataReader` reads
+the three formats into one batch format, and the dump readers are its methods.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ Draft token j is target token j + d2t[j].
 
 Alignment (as vLLM and speculators): row t gets the aux state of position t with the embedding of token
 t+1, at position id t+1, and predicts token t+2.
+
+It runs past 600 lines: the TTT attention's autograd function and its per-device kernels (CPU fused,
+CUDA flash / memory-efficient, blocked reference) live beside the drafter layer that calls them.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ Prompts decode in batches (`SpeculativeDecoder.generate_batch`): the target and 
 KV cache for the batch, every sequence accepts its own number of drafts per round (rejected and padding
 columns stay behind as masked holes), and finished sequences leave the batch. A sequence computes what it
 would alone, so τ and the outputs do not depend on the batch size; speed does.
+
+The module runs past 600 lines on purpose: the batch caches, drafting, verification and counting are one
+algorithm whose pieces share one invariant (the valid-column layout of both caches), read top to bottom.
 """
 
 from __future__ import annotations
