@@ -48,13 +48,6 @@ check-notebooks: setup
 test: lint check-notebooks
 	$(PY) -m pytest
 
-# The latest run as a reader sees it: headless Chromium screenshots index.html and every notebook page into
-# outputs/<run>/screenshots/ (look at the PNGs); fails if a page does not render.
-report-check: setup
-	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
-	run=$$(ls -td outputs/*/ | grep -v screenshots | head -1); test -n "$$run" || { echo "no run under outputs/"; exit 1; }; \
-	$(VENV)/bin/eagle3 report "$$run" --screenshots
-
 lab: setup
 	$(VENV)/bin/jupyter lab notebooks/
 
@@ -125,3 +118,12 @@ $(INTEROP_STAMP): pyproject.toml
 
 interop-check: interop-venv
 	$(INTEROP_VENV)/bin/python bench/interop_check.py
+
+# A run as a reader sees it (default: the latest finished run under outputs/, the one whose summary.md is newest;
+# REPORT_RUN=outputs/<run> for another): its pages rendered again, checked for progress walls, stray stderr,
+# missing figures and broken links, and screenshotted by headless Chromium into <run>/screenshots/ (the first
+# 2,400 pixels of index.html and of each notebook page); fails if a check or a page fails.
+REPORT_RUN ?=
+report-check: setup
+	test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
+	$(VENV)/bin/eagle3 report $(REPORT_RUN) --check --screenshots --chromium /usr/bin/chromium

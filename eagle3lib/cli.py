@@ -60,9 +60,13 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _report_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", help="a run folder under outputs/")
+    p.add_argument("run_dir", nargs="?",
+                   help="a run folder (default: the latest finished run under outputs/, by its summary.md)")
+    p.add_argument("--check", action="store_true",
+                   help="fail on what a reader would trip over: progress walls, stray stderr, broken links")
     p.add_argument("--screenshots", action="store_true",
-                   help="also screenshot index.html and each notebook page with headless Chromium")
+                   help="screenshot index.html and each notebook page with headless Chromium into "
+                        "<run>/screenshots/; fail if a page does not render")
     p.add_argument("--chromium", default="chromium", help="the Chromium binary (default: chromium)")
 
 
@@ -73,14 +77,28 @@ def _report(args: argparse.Namespace) -> int:
 
     from eagle3lib import report
 
-    run_dir = Path(args.run_dir)
+    run_dir = Path(args.run_dir) if args.run_dir else report.latest_run()
+    if not (run_dir / "params.yaml").is_file():
+        print(f"eagle3 report: {run_dir} is not a run folder (no params.yaml)", file=sys.stderr)
+        return 2
     report.write_summary(run_dir)
     report.render_html(run_dir)
     print(f"eagle3 report: front page {report.render_index(run_dir)}")
+    failed = False
+    if args.check:
+        problems = report.reader_problems(run_dir)
+        for problem in problems:
+            print(f"eagle3 report: {problem}", file=sys.stderr)
+        print(f"eagle3 report: {len(problems)} problem(s) a reader would meet in {run_dir}")
+        failed = bool(problems)
     if args.screenshots:
-        for shot in report.screenshots(run_dir, args.chromium):
-            print(f"eagle3 report: screenshot {shot}")
-    return 0
+        try:
+            for shot in report.screenshots(run_dir, args.chromium):
+                print(f"eagle3 report: screenshot {shot}")
+        except RuntimeError as err:
+            print(f"eagle3 report: {err}", file=sys.stderr)
+            failed = True
+    return 1 if failed else 0
 
 
 def _train_arguments(p: argparse.ArgumentParser) -> None:

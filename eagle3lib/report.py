@@ -6,6 +6,9 @@ their "What we found" cell printed); nothing is retyped. Each step's figures are
 
 from __future__ import annotations
 
+import os
+import re
+from html.parser import HTMLParser
 from pathlib import Path
 
 from eagle3lib import runs
@@ -118,24 +121,25 @@ def write_summary(run_dir: Path) -> Path:
         lines += [f"![{fig.stem}]({fig.relative_to(run_dir)})" for fig in figures]
         lines.append("")
     lines += ["## Parameters", "", "```yaml", params.rstrip(), "```", ""]
-    lines += ["## Made with", "", *[f"- {name}: {version}" for name, version in provenance().items()], ""]
+    lines += ["## Made with", "", *made_with(metrics), ""]
     path = run_dir / "summary.md"
     runs.atomic_write_text(path, "\n".join(lines))
     return path
 
 
-def provenance() -> dict[str, str]:
-    """The code and packages that produced a run (read when its summary is written)."""
-    import sys
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {"git commit": runs.git_commit(), "python": sys.version.split()[0]}
-    for package in ("torch", "transformers", "safetensors", "papermill"):
-        try:
-            found[package] = version(package)
-        except PackageNotFoundError:
-            found[package] = "not installed"
-    return found
+def made_with(metrics: dict) -> list[str]:
+    """The commit and package versions each notebook ran with (recorded by `eagle3 run` as it started it), a
+    column per set; notebooks executed otherwise recorded none, and then this summary's own are given."""
+    records = metrics.get("provenance") or []
+    if not records:
+        return ["Not recorded (these notebooks were not executed by `eagle3 run`); this summary was written "
+                "with:", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in runs.provenance().items()]]
+    facts = list(dict.fromkeys(key for record in records for key in record if key != "notebooks"))
+    lines = ["| | " + " | ".join(", ".join(record["notebooks"]) for record in records) + " |",
+             "|---" * (len(records) + 1) + "|"]
+    lines += [f"| {fact} | " + " | ".join(str(record.get(fact, "–")) for record in records) + " |"
+              for fact in facts]
+    return lines
 
 
 PAGE = """<!doctype html>
@@ -154,43 +158,193 @@ pre {{ background: #f6f6f6; padding: 0.8rem; overflow-x: auto; }}
 
 
 def render_index(run_dir: Path) -> Path:
-    """`<run_dir>/index.html`: the run's front page, summary.md rendered with its figures inline and links
-    to each notebook's HTML page."""
+    """`<run_dir>/index.html`, the run's front page: summary.md (write_summary) rendered, its figures
+    inline and links to each notebook's HTML page (render_html)."""
+    import html
+
     import mistune
 
-    summary = (run_dir / "summary.md").read_text()
-    body = mistune.create_markdown(plugins=["table"])(summary)
+    summary = run_dir / "summary.md"
+    if not summary.is_file():
+        raise FileNotFoundError(f"{summary} is missing: the front page is rendered from it (write_summary)")
+    body = mistune.create_markdown(plugins=["table"])(summary.read_text())
     path = run_dir / "index.html"
-    runs.atomic_write_text(path, PAGE.format(title=f"eagle3lib run {run_dir.name}", body=body))
+    runs.atomic_write_text(path, PAGE.format(title=html.escape(f"eagle3lib run {run_dir.name}"), body=body))
     return path
 
+
+def latest_run(outputs_dir: Path | None = None) -> Path:
+    """The run folder whose summary.md (written when `eagle3 run` ends) is the newest: runs still going are
+    passed over."""
+    outputs_dir = outputs_dir or runs.OUTPUTS_DIR
+    finished = sorted(outputs_dir.glob("*/summary.md"), key=lambda path: path.stat().st_mtime)
+    if not finished:
+        raise FileNotFoundError(f"no finished run under {outputs_dir}: none holds a summary.md yet")
+    return finished[-1].parent
+
+
+# ---------------------------------------------------------------- the run as a reader sees it
+
+# A tqdm update: "40%|████", "16/40 [00:03<00:05", "7.62it/s]". One final line per loop is what a report
+# keeps (eagle3lib.progress); two allow for a loop nested in another.
+PROGRESS_UPDATE = re.compile(r"\d%\||\d+/\d+ \[\d|\d(?:it|s)/s\]")
+MAX_PROGRESS_LINES = 2
+# How `warnings` prints a warning: "<file>:<line>: <Category>: <message>".
+PYTHON_WARNING = re.compile(r"^\S.*?:\d+: (\w*Warning): (.*)$", re.MULTILINE)
+# Warnings that say nothing to a reader of the report (silenced where they arise; flagged if they return).
+NOISE = {"TqdmWarning": "IProgress not found", "TqdmExperimentalWarning": ""}
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+def _output_problems(where: str, output: dict) -> list[str]:
+    kind = output.get("output_type")
+    if kind == "stream":
+        text = output.get("text", "")
+    elif kind in ("display_data", "execute_result"):
+        if WIDGET in output.get("data", {}):
+            return [f"{where}: a widget (a live progress bar?), which the saved report cannot show"]
+        text = output.get("data", {}).get("text/plain", "")
+    else:  # errors stay visible: they are the report of a failure
+        return []
+    problems = []
+    updates = [line for line in text.replace("\r", "\n").splitlines() if PROGRESS_UPDATE.search(line)]
+    if len(updates) > MAX_PROGRESS_LINES or "\r" in text:
+        problems.append(f"{where}: {len(updates)} lines of progress updates, e.g. {updates[:2]}")
+    if output.get("name") == "stderr":
+        warned = PYTHON_WARNING.findall(text)
+        noise = [f"{category}: {message}" for category, message in warned
+                 if category in NOISE and NOISE[category] in message]
+        if noise:
+            problems.append(f"{where}: a warning that tells the reader nothing: {noise[0]}")
+        elif not warned and not problems:
+            problems.append(f"{where}: stderr that is not a warning: {text.strip()[:200]!r}")
+    return problems
+
+
+def notebook_problems(notebook: Path) -> list[str]:
+    """What keeps a reader of one executed notebook from its results: walls of progress updates, widgets,
+    stderr other than real warnings (Python warnings that are not known noise)."""
+    import nbformat
+
+    problems = []
+    for number, cell in enumerate(nbformat.read(notebook, as_version=4).cells):
+        for output in cell.get("outputs", []):
+            problems += _output_problems(f"{notebook.name} cell {number}", output)
+    return problems
+
+
+class _References(HTMLParser):
+    """Every src= and href= of a page, with its tag."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[tuple[str, str]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.found += [(tag, value) for name, value in attrs if name in ("src", "href") and value]
+
+
+def link_problems(page: Path) -> list[str]:
+    """References of an HTML page that do not resolve: a relative link or image whose file is missing or
+    empty, an embedded (data:) image without data. Links to other sites are not followed."""
+    import base64
+    from urllib.parse import unquote, urlsplit
+
+    parser = _References()
+    parser.feed(page.read_text())
+    problems = []
+    for tag, reference in parser.found:
+        parts = urlsplit(reference)
+        if parts.scheme == "data":
+            payload = reference.partition(",")[2]
+            data = base64.b64decode(payload) if ";base64" in reference.partition(",")[0] else payload
+            if not data:
+                problems.append(f"{page.name}: an empty embedded <{tag}>")
+        elif not parts.scheme and not parts.netloc and parts.path:
+            target = page.parent / unquote(parts.path)
+            if not target.is_file() or target.stat().st_size == 0:
+                state = "empty" if target.is_file() else "missing"
+                problems.append(f"{page.name}: <{tag}> {reference} is {state}")
+    return problems
+
+
+def reader_problems(run_dir: Path) -> list[str]:
+    """Everything `notebook_problems` and `link_problems` find in a rendered run (its executed notebooks,
+    html/ pages and index.html), and notebook pages or figures the front page does not show."""
+    index = run_dir / "index.html"
+    if not index.is_file():
+        return [f"{index} is missing (report.render_index)"]
+    notebooks = sorted(run_dir.glob("[0-9][0-9]_*.ipynb"))
+    pages = [run_dir / "html" / f"{notebook.stem}.html" for notebook in notebooks]
+    problems = [f"{page} is missing (report.render_html)" for page in pages if not page.is_file()]
+    for notebook in notebooks:
+        problems += notebook_problems(notebook)
+    for page in [index, *(page for page in pages if page.is_file())]:
+        problems += link_problems(page)
+    parser = _References()
+    parser.feed(index.read_text())
+    shown = {reference for _, reference in parser.found}
+    figures = [figure.relative_to(run_dir).as_posix()
+               for notebook in notebooks for figure in sorted((run_dir / notebook.stem).glob("*.png"))]
+    problems += [f"index.html does not link {page.relative_to(run_dir)}" for page in pages
+                 if page.relative_to(run_dir).as_posix() not in shown]
+    problems += [f"index.html does not show {figure}" for figure in figures if figure not in shown]
+    return problems
+
+
+# ---------------------------------------------------------------- screenshots
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--hide-scrollbars"]
+SCREEN_WIDTH, SCREEN_HEIGHT = 1280, 2400  # about two screens: where a reader should meet the first figure
 
 
-def screenshots(run_dir: Path, chromium: str = "chromium", height: int = 2400) -> list[Path]:
-    """Headless Chromium's view of index.html and each notebook page, as PNGs in `<run_dir>/screenshots/`;
-    raises RuntimeError naming the page that did not render."""
+def is_blank(png: Path) -> bool:
+    """True when nearly every pixel has one shade (a page that did not render), less than 0.1 % drawn."""
+    from PIL import Image
+
+    with Image.open(png) as image:
+        histogram = image.convert("L").histogram()
+    return max(histogram) > 0.999 * sum(histogram)
+
+
+def screenshots(run_dir: Path, chromium: str = "chromium") -> list[Path]:
+    """Headless Chromium's view of index.html and each notebook page (the first SCREEN_HEIGHT pixels), as
+    PNGs in `<run_dir>/screenshots/`; raises RuntimeError naming a page that did not render."""
+    import shutil
     import subprocess
     import tempfile
 
+    if shutil.which(chromium) is None:
+        raise RuntimeError(f"no {chromium} here: install it (Debian: apt-get install -y chromium) or pass "
+                           "--chromium PATH")
     pages = [run_dir / "index.html", *sorted((run_dir / "html").glob("*.html"))]
     out = run_dir / "screenshots"
     out.mkdir(exist_ok=True)
     shots = []
     for page in pages:
-        shot = out / f"{page.stem}.png"
+        if not page.is_file():
+            raise RuntimeError(f"{page} is missing: render the run first (eagle3 report)")
+        shot = out / f"{'index' if page.name == 'index.html' else page.stem}.png"
+        # a fresh profile per page, and the PNG written there first, then renamed: no half-written shots
         with tempfile.TemporaryDirectory(prefix="eagle3-chromium-") as profile:
-            done = subprocess.run(
-                [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size=1280,{height}",
-                 f"--screenshot={shot}", page.resolve().as_uri()],
-                capture_output=True, text=True, timeout=120,
-            )
-        if done.returncode != 0 or not shot.is_file() or shot.stat().st_size < 10_000:
-            raise RuntimeError(f"{page} did not render (chromium exit {done.returncode}): "
-                               f"{done.stderr[-500:]}")
+            fresh = Path(profile) / "shot.png"
+            try:
+                done = subprocess.run(
+                    [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}/user-data",
+                     f"--window-size={SCREEN_WIDTH},{SCREEN_HEIGHT}", f"--screenshot={fresh}",
+                     page.resolve().as_uri()],
+                    capture_output=True, text=True, timeout=180,
+                )
+            except subprocess.TimeoutExpired as err:
+                raise RuntimeError(f"{page} did not render: {chromium} ran over {err.timeout} s") from err
+            if done.returncode != 0 or not fresh.is_file():
+                raise RuntimeError(f"{page} did not render ({chromium} exit {done.returncode}): "
+                                   f"{done.stderr.strip()[-500:]}")
+            if is_blank(fresh):
+                raise RuntimeError(f"{page} rendered as a blank page in {chromium}")
+            os.replace(runs.shareable(fresh), shot)
         shots.append(shot)
     return shots
 

@@ -305,7 +305,7 @@ class Run:
     def read_metrics(self) -> dict:
         return read_metrics(self.path)
 
-    def write_metrics(self, step: str, metrics: dict) -> dict:
+    def write_metrics(self, step: str, metrics: dict | list) -> dict:
         """Record `metrics` under `step` in metrics.json (other steps' entries are kept)."""
         everything = self.read_metrics()
         everything[step] = metrics
@@ -334,6 +334,36 @@ def git_commit() -> str:
 
     head = git("rev-parse", "HEAD") or "unknown"
     return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+PROVENANCE_PACKAGES = ("torch", "transformers", "safetensors", "numpy", "papermill", "eagle3lib")
+
+
+def provenance() -> dict[str, str]:
+    """What is producing a run now: the commit, Python and the versions of the packages that matter."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"git commit": git_commit(), "python": platform.python_version()}
+    for package in PROVENANCE_PACKAGES:
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "not installed"
+    return found
+
+
+def record_provenance(run: Run, notebooks: list[str]) -> list[dict]:
+    """Add `notebooks` to metrics.json's "provenance": a list of {"notebooks": [...], commit, versions}, one
+    entry per set of facts (a run continued later with --only under another commit gets a second one)."""
+    facts = provenance()
+    records = run.read_metrics().get("provenance", [])
+    if records and {k: v for k, v in records[-1].items() if k != "notebooks"} == facts:
+        records[-1]["notebooks"] += [name for name in notebooks if name not in records[-1]["notebooks"]]
+    else:
+        records.append({"notebooks": list(notebooks), **facts})
+    run.write_metrics("provenance", records)
+    return records
 
 
 def shareable(path: str | os.PathLike) -> Path:
@@ -405,13 +435,13 @@ def notebook_paths(only: list[str] | None = None) -> list[Path]:
 
 
 # Set for the kernels papermill starts (they inherit this process's environment): eagle3lib's progress bars
-# print one line per loop instead of an update per step (eagle3lib.progress), and Hugging Face's own bars
-# (weight loading, GGUF conversion) stay out of the report.
-KERNEL_ENV = {HEADLESS: "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+# print one line per loop instead of an update per step (eagle3lib.progress).
+KERNEL_ENV = {HEADLESS: "1"}
 
 
 @contextmanager
 def headless_kernels() -> Iterator[None]:
+    """KERNEL_ENV in this process's environment for the block (kernels started in it inherit it)."""
     saved = {key: os.environ.get(key) for key in KERNEL_ENV}
     os.environ.update(KERNEL_ENV)
     try:
@@ -467,6 +497,7 @@ def run_notebooks(
         if output.exists() and not overwrite:
             raise RunExistsError(f"{output} exists from a previous run; use another run name")
         print(f"[eagle3 run] {notebook.name} → {output}", flush=True)
+        record_provenance(run, [notebook.stem])
         seconds = execute_notebook(
             notebook,
             output,

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from eagle3lib import zoo
 from eagle3lib.config import default_aux_layer_ids
+from eagle3lib.progress import quiet_hf_loading
 
 # Config keys that change what the model computes; other keys (paths, versions, dtype) do not.
 _ARCHITECTURE_KEYS = (
@@ -117,8 +118,9 @@ class Target:
         device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, device)
         try:
-            model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, local_files_only=True)
-            tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
+            with quiet_hf_loading():
+                model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, local_files_only=True)
+                tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
         except OSError as err:
             raise TargetError(
                 f"target {spec!r}: not a loadable local Hugging Face folder or cached model "

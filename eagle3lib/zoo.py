@@ -30,9 +30,11 @@ from dataclasses import dataclass
 from functools import cache
 from itertools import islice
 from pathlib import Path
+from unittest import mock
 
 import torch
 
+from eagle3lib.progress import live_bar_class, progress, quiet_hf_loading
 from eagle3lib.runs import shareable
 
 ZOO_PREFIX = "zoo:"
@@ -91,7 +93,8 @@ def resolve(spec: str, cache: str | os.PathLike | None = None) -> Path:
         raise ZooError(f"unknown zoo model {spec!r}; known: {', '.join(ZOO_PREFIX + n for n in builders)}")
     folder = cache_dir(cache) / f"{name}-v{RECIPE_VERSION}"
     if not (folder / "config.json").is_file():
-        _build_atomically(folder, builders[name], cache)
+        with quiet_hf_loading():
+            _build_atomically(folder, builders[name], cache)
     return folder
 
 
@@ -141,7 +144,15 @@ def _build_smollm2(out: Path, cache) -> None:
     _require_gguf_support()
     gguf = smollm2_gguf_path()
     print(f"[zoo] converting {gguf.name} to a safetensors folder in {out.parent} (once, ~30 s)", flush=True)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    live_bar_class()  # imports tqdm.auto before HF's GGUF code does, without its no-ipywidgets warning
+    from transformers import modeling_gguf_pytorch_utils
+
+    def dequantising(tensors, **_):  # HF's own bar there ignores its switch; ours is one line in a report
+        return progress(tensors, desc=f"dequantise {gguf.name}", unit="tensors")
+
+    with mock.patch.object(modeling_gguf_pytorch_utils, "tqdm", dequantising):
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                         dtype=torch.float32)
     # A fresh model from a config without `quantization_config`: a plain checkpoint any tool can load.
     settings = quantized.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
