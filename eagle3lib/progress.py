@@ -42,7 +42,8 @@ def clock(seconds: float) -> str:
 
 class OneLine:
     """The part of tqdm's interface eagle3lib uses, printing one summary line to stdout on `close` (or when
-    the iteration ends): "<desc>: <n> <unit> in <m:ss>[, <rate> <unit>/s][, <postfix key> <value>...]"."""
+    the iteration ends): "<desc>: <n> <unit> in <m:ss>[, <rate> <unit>/s][, <postfix key> <value>...]"; the
+    unit "it" (tqdm's default) reads "steps"."""
 
     def __init__(self, iterable: Iterable | None = None, total: int | None = None, desc: str = "",
                  unit: str = "it", initial: int = 0, leave: bool = True, disable: bool = False):
@@ -76,7 +77,8 @@ class OneLine:
         unit = "steps" if self.unit == "it" else self.unit
         resumed = f" (resumed at {self.initial:,})" if self.initial else ""
         done = self.n - self.initial
-        rate = f", {done / seconds:,.0f} {unit}/s" if self.unit != "it" and seconds > 0 else ""
+        # a rate for counted things (tokens, tensors) coming faster than one a second; else the time says it
+        rate = f", {done / seconds:,.0f} {unit}/s" if self.unit != "it" and done >= seconds > 0 else ""
         extra = "".join(f", {key} {value}" for key, value in self.postfix.items())
         return f"{self.desc}: {self.n:,} {unit}{resumed} in {clock(seconds)}{rate}{extra}"
 

@@ -55,3 +55,15 @@ def test_loading_a_target_prints_no_hugging_face_bars(tmp_path, capfd):
     printed = capfd.readouterr()
     assert "Loading weights" not in printed.err and "%|" not in printed.err + printed.out
     assert hf_logging.is_progress_bar_enabled()  # as it was: only eagle3lib's loading is quiet
+
+
+def test_the_line_gives_a_rate_only_for_things_counted_faster_than_one_a_second(monkeypatch):
+    monkeypatch.setenv(progress.HEADLESS, "1")
+    slow = progress.progress(total=4, desc="evaluate", unit="drafters")
+    slow.update(4)
+    slow.start -= 130  # as if 2:10 had passed
+    assert slow.line() == "evaluate: 4 drafters in 2:10"
+    fast = progress.progress(total=2600, desc="capture", unit="tok")
+    fast.update(2600)
+    fast.start -= 130
+    assert fast.line() == "capture: 2,600 tok in 2:10, 20 tok/s"
