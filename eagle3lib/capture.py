@@ -31,7 +31,7 @@ from eagle3lib.data import (
     prepared_dir,
 )
 from eagle3lib.progress import progress as progress_bar
-from eagle3lib.runs import shareable
+from eagle3lib.runs import shareable, shareable_tree
 from eagle3lib.sources import Sample, raw_samples, self_distilled_samples
 from eagle3lib.vocab import VocabMap
 
@@ -179,6 +179,7 @@ class DataWriter:
         (self._tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         if self.path.is_dir():  # the empty folder this writer was allowed to take
             self.path.rmdir()
+        shareable_tree(self._tmp)  # safetensors writes its files private (0600)
         os.rename(self._tmp, self.path)
         return self.path
 

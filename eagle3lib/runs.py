@@ -375,15 +375,28 @@ def shareable(path: str | os.PathLike) -> Path:
     return Path(path)
 
 
+def shareable_tree(folder: str | os.PathLike) -> Path:
+    """`shareable` for a folder and everything under it, before it is renamed into place: safetensors (0.8)
+    writes each file privately (0600), as mkstemp does, and a checkpoint or data folder is meant to be read by
+    others."""
+    for parent, folders, files in os.walk(folder):
+        for name in folders + files:
+            if not os.path.islink(os.path.join(parent, name)):  # a link's target is not ours to change
+                shareable(os.path.join(parent, name))
+    return shareable(folder)
+
+
 @contextmanager
 def staged_folder(path: Path, replace: bool = False) -> Iterator[Path]:
-    """A temporary folder beside `path` to fill: renamed to `path` when the block ends without an error,
-    removed otherwise, so `path` never holds a half-written folder. An existing `path` is refused, or with
-    `replace` moved aside first, so that the rename itself stays atomic."""
+    """A temporary folder beside `path` to fill: renamed to `path` when the block ends without an error (with
+    the umask's permissions for all it holds), removed otherwise, so `path` never holds a half-written
+    folder. An existing `path` is refused, or with `replace` moved aside first, so that the rename itself
+    stays atomic."""
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = shareable(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         yield staging
+        shareable_tree(staging)
         if not path.exists():
             os.replace(staging, path)
         elif replace:

@@ -35,7 +35,7 @@ from unittest import mock
 import torch
 
 from eagle3lib.progress import live_bar_class, progress, quiet_hf_loading
-from eagle3lib.runs import shareable
+from eagle3lib.runs import shareable, shareable_tree
 
 ZOO_PREFIX = "zoo:"
 SMOLLM2 = "smollm2-135m-instruct"
@@ -121,6 +121,7 @@ def _build_atomically(folder: Path, build, cache) -> None:
     tmp = shareable(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
     try:
         build(tmp, cache)
+        shareable_tree(tmp)  # save_pretrained's safetensors files are private (0600) otherwise
         try:
             os.rename(tmp, folder)
         except OSError:

@@ -6,7 +6,9 @@ import os
 
 import nbformat
 import pytest
+import torch
 import yaml
+from safetensors.torch import save_file
 
 from eagle3lib import cli, runs
 from tests.notebook_harness import run_notebook
@@ -137,7 +139,9 @@ def test_written_files_and_folders_follow_the_umask(tmp_path):
         runs.atomic_write_text(tmp_path / "summary.md", "text")
         with runs.staged_folder(tmp_path / "drafter") as staging:
             (staging / "config.json").write_text("{}")
+            save_file({"weight": torch.zeros(2)}, staging / "model.safetensors")  # safetensors writes 0600
     finally:
         os.umask(old)
     assert (tmp_path / "summary.md").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "drafter").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "drafter" / "model.safetensors").stat().st_mode & 0o777 == 0o644
