@@ -174,8 +174,8 @@ def render_index(run_dir: Path) -> Path:
 
 
 def latest_run(outputs_dir: Path | None = None) -> Path:
-    """The run folder whose summary.md (written when `eagle3 run` ends) is the newest: runs still going are
-    passed over."""
+    """The run folder whose summary.md is the newest: `eagle3 run` writes it when it ends (so a run still in
+    its first invocation is passed over), `eagle3 report` when it renders a run again."""
     outputs_dir = outputs_dir or runs.OUTPUTS_DIR
     finished = sorted(outputs_dir.glob("*/summary.md"), key=lambda path: path.stat().st_mtime)
     if not finished:
