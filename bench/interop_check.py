@@ -9,7 +9,8 @@ and compares step-0 and every TTT step's logits (teacher-forced, float32, at mos
 about missing or unexpected keys fails the check, except the one SpecForge's loader is documented to skip
 (`embed_tokens.weight`, which SpecForge, like SGLang, takes from the target).
 
-`reference_*` helpers are also used by tests/fixtures/reference-interop/make_fixtures.py.
+The inputs and `reference_*` helpers (sizes given as `sizes=`) are also used by
+tests/fixtures/reference/make_fixtures.py, which commits small drafters made by both projects.
 """
 
 from __future__ import annotations
@@ -45,14 +46,14 @@ AUX_IDS = [1, 3, 4]  # eagle3lib numbering; [2, 4, 5] in speculators'
 # ----------------------------------------------------------------------------- inputs and eagle3lib
 
 
-def fixed_inputs(seed: int = 0, length: int = 12) -> dict[str, torch.Tensor]:
+def fixed_inputs(seed: int = 0, length: int = 12, sizes: dict = SIZES) -> dict[str, torch.Tensor]:
     """One row (speculators trains on packed batches of 1): tokens, aux states, a target embedding."""
     generator = torch.Generator().manual_seed(seed)
     return {
-        "input_ids": torch.randint(0, SIZES["vocab_size"], (1, length), generator=generator),
-        "hidden_states": torch.randn(1, length, 3 * SIZES["hidden_size"], generator=generator),
-        "embedding": torch.randn(SIZES["vocab_size"], SIZES["hidden_size"], generator=generator),
-        "d2t_ids": torch.randperm(SIZES["vocab_size"], generator=generator)[: SIZES["draft_vocab_size"]]
+        "input_ids": torch.randint(0, sizes["vocab_size"], (1, length), generator=generator),
+        "hidden_states": torch.randn(1, length, 3 * sizes["hidden_size"], generator=generator),
+        "embedding": torch.randn(sizes["vocab_size"], sizes["hidden_size"], generator=generator),
+        "d2t_ids": torch.randperm(sizes["vocab_size"], generator=generator)[: sizes["draft_vocab_size"]]
         .sort()
         .values,
     }
@@ -67,14 +68,14 @@ def randomise_norms(module: torch.nn.Module, seed: int) -> None:
                 parameter.copy_(1 + 0.5 * torch.randn(parameter.shape, generator=generator))
 
 
-def tiny_verifier(folder: Path, inputs: dict) -> Path:
+def tiny_verifier(folder: Path, inputs: dict, sizes: dict = SIZES) -> Path:
     """A Llama target folder whose embedding is the inputs' one: speculators' from_pretrained reads the
     verifier named in the config (its config, embedding and lm_head)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    sizes = {k: v for k, v in SIZES.items() if k != "draft_vocab_size"}
+    layer_sizes = {k: v for k, v in sizes.items() if k != "draft_vocab_size"}
     torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(**sizes, num_hidden_layers=8, tie_word_embeddings=False))
+    target = LlamaForCausalLM(LlamaConfig(**layer_sizes, num_hidden_layers=8, tie_word_embeddings=False))
     with torch.no_grad():
         target.model.embed_tokens.weight.copy_(inputs["embedding"])
     target.save_pretrained(str(folder))
@@ -148,17 +149,17 @@ class KeyWarnings(logging.Handler):
             logger.remove(self._loguru)
 
 
-def reference_speculators_model(flags: dict, inputs: dict, seed: int):
+def reference_speculators_model(flags: dict, inputs: dict, seed: int, sizes: dict = SIZES):
     """A speculators `Eagle3DraftModel` built by speculators itself (random weights, norms randomised)."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import LlamaConfig
 
-    layer = LlamaConfig(**{k: v for k, v in SIZES.items() if k != "draft_vocab_size"}, num_hidden_layers=1)
+    layer = LlamaConfig(**{k: v for k, v in sizes.items() if k != "draft_vocab_size"}, num_hidden_layers=1)
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer,
-        draft_vocab_size=SIZES["draft_vocab_size"],
+        draft_vocab_size=sizes["draft_vocab_size"],
         norm_before_residual=flags["norm_before_residual"],
         fc_norm=flags["fc_norm"],
         norm_output=flags["feed_normed_hidden"],
@@ -173,7 +174,7 @@ def reference_speculators_model(flags: dict, inputs: dict, seed: int):
     torch.manual_seed(seed)
     model = eager_attention(Eagle3DraftModel(config))
     randomise_norms(model, seed)
-    vocab = VocabMap.from_ids(inputs["d2t_ids"], SIZES["vocab_size"])
+    vocab = VocabMap.from_ids(inputs["d2t_ids"], sizes["vocab_size"])
     with torch.no_grad():
         model.embed_tokens.weight.copy_(inputs["embedding"])
     model.load_vocab_mappings(vocab.t2d, vocab.d2t)
@@ -194,18 +195,18 @@ def speculators_logits(model, inputs: dict) -> torch.Tensor:
     return torch.stack(captured)
 
 
-def reference_specforge_model(flags: dict, inputs: dict, seed: int):
+def reference_specforge_model(flags: dict, inputs: dict, seed: int, sizes: dict = SIZES):
     """A SpecForge `LlamaForCausalLMEagle3` built by SpecForge itself; `norm_output` in its own meaning."""
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
     from transformers import LlamaConfig
 
-    config = LlamaConfig(**SIZES, num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"],
+    config = LlamaConfig(**sizes, num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"],
                          fc_norm=flags["fc_norm"], norm_output=flags["norm_before_lm_head"],
                          tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = LlamaForCausalLMEagle3(config)
     randomise_norms(model, seed)
-    vocab = VocabMap.from_ids(inputs["d2t_ids"], SIZES["vocab_size"])
+    vocab = VocabMap.from_ids(inputs["d2t_ids"], sizes["vocab_size"])
     with torch.no_grad():
         model.embed_tokens.weight.copy_(inputs["embedding"])
         model.d2t.copy_(vocab.d2t)
