@@ -77,7 +77,11 @@ def _report(args: argparse.Namespace) -> int:
 
     from eagle3lib import report
 
-    run_dir = Path(args.run_dir) if args.run_dir else report.latest_run()
+    try:
+        run_dir = Path(args.run_dir) if args.run_dir else report.latest_run()
+    except FileNotFoundError as err:
+        print(f"eagle3 report: {err}; name a run folder", file=sys.stderr)
+        return 2
     if not (run_dir / "params.yaml").is_file():
         print(f"eagle3 report: {run_dir} is not a run folder (no params.yaml)", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ import shutil
 import nbformat
 import pytest
 
-from eagle3lib import report, runs
+from eagle3lib import cli, report, runs
 
 
 def executed_notebook(path, found_text: str):
@@ -161,3 +161,23 @@ def test_screenshots_show_each_page_and_refuse_a_blank_one(tmp_path):
     (tmp_path / "html" / "02_diff_vocab_maps.html").write_text("<html><body></body></html>")
     with pytest.raises(RuntimeError, match="02_diff_vocab_maps.html rendered as a blank page"):
         report.screenshots(tmp_path)
+
+
+def test_cli_report_renders_checks_and_names_what_is_wrong(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "outputs" / "myrun"
+    runs.Run.open(run_dir, runs.load_params())
+    executed_notebook(run_dir / "02_diff_vocab_maps.ipynb", "22 of 2,048 positions agree.")
+    (run_dir / "02_diff_vocab_maps").mkdir()
+    (run_dir / "02_diff_vocab_maps" / "coverage.png").write_bytes(b"")
+    monkeypatch.setattr(runs, "OUTPUTS_DIR", tmp_path / "outputs")
+
+    assert cli.main(["report", "--check"]) == 2  # the latest finished run: none yet, so it must be named
+    assert "no finished run under" in capsys.readouterr().err
+    assert cli.main(["report", str(run_dir), "--check"]) == 1
+    printed = capsys.readouterr()
+    assert f"front page {run_dir / 'index.html'}" in printed.out and "1 problem(s)" in printed.out
+    assert "index.html: <img> 02_diff_vocab_maps/coverage.png is empty" in printed.err
+    (run_dir / "02_diff_vocab_maps" / "coverage.png").write_bytes(b"\x89PNG drawn")
+    assert cli.main(["report", "--check"]) == 0  # now the latest finished run, and nothing wrong
+    assert cli.main(["report", str(tmp_path), "--check"]) == 2
+    assert "is not a run folder (no params.yaml)" in capsys.readouterr().err
