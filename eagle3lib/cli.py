@@ -98,7 +98,10 @@ def _report(args: argparse.Namespace) -> int:
     if args.screenshots:
         try:
             for shot in report.screenshots(run_dir, args.chromium):
-                print(f"eagle3 report: screenshot {shot}")
+                where = (f"first figure at {shot.first_figure_px:,} px" if shot.first_figure_px is not None
+                         else "no figure")
+                late = "" if shot.figure_on_screen else f": none in the first {report.SCREEN_HEIGHT:,} px"
+                print(f"eagle3 report: screenshot {shot.png} ({where}{late})")
         except RuntimeError as err:
             print(f"eagle3 report: {err}", file=sys.stderr)
             failed = True

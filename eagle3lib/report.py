@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -298,6 +299,24 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--hide-scrollbars"]
 SCREEN_WIDTH, SCREEN_HEIGHT = 1280, 2400  # about two screens: where a reader should meet the first figure
+# Appended to a copy of a page: once it has loaded, the top of its first drawn image, in CSS pixels from the
+# top of the page (-1: none), left on <body> for --dump-dom to show.
+MEASURE_FIRST_FIGURE = """<script>window.addEventListener("load", () => {
+  const drawn = [...document.images].filter((image) => image.naturalHeight > 0);
+  const top = drawn.length ? drawn[0].getBoundingClientRect().top + window.scrollY : -1;
+  document.body.setAttribute("data-first-figure", String(Math.round(top)));
+});</script>"""
+
+
+@dataclass(frozen=True)
+class Screenshot:
+    page: Path
+    png: Path
+    first_figure_px: int | None  # None: the page shows no figure
+
+    @property
+    def figure_on_screen(self) -> bool:
+        return self.first_figure_px is not None and self.first_figure_px < SCREEN_HEIGHT
 
 
 def is_blank(png: Path) -> bool:
@@ -309,11 +328,45 @@ def is_blank(png: Path) -> bool:
     return max(histogram) > 0.999 * sum(histogram)
 
 
-def screenshots(run_dir: Path, chromium: str = "chromium") -> list[Path]:
-    """Headless Chromium's view of index.html and each notebook page (the first SCREEN_HEIGHT pixels), as
-    PNGs in `<run_dir>/screenshots/`; raises RuntimeError naming a page that did not render."""
-    import shutil
+def _chromium(chromium: str, page: Path, action: str, profile: Path) -> str:
+    """Run headless Chromium once on `page` (a fresh profile: nothing carried over); its stdout, or
+    RuntimeError naming the page."""
     import subprocess
+
+    command = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
+               f"--window-size={SCREEN_WIDTH},{SCREEN_HEIGHT}", action, page.resolve().as_uri()]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired as err:
+        raise RuntimeError(f"{page} did not render: {chromium} ran over {err.timeout} s") from err
+    if done.returncode != 0:
+        raise RuntimeError(f"{page} did not render ({chromium} exit {done.returncode}): "
+                           f"{done.stderr.strip()[-500:]}")
+    return done.stdout
+
+
+def first_figure_px(page: Path, chromium: str, work: Path) -> int | None:
+    """Where a reader meets the page's first figure, in pixels from its top at SCREEN_WIDTH (None: none)."""
+    copy = work / "measure.html"
+    # <base>: the copy, elsewhere, still finds the page's relative images
+    head = re.compile(r"<head[^>]*>", re.IGNORECASE)
+    text = page.read_text()
+    if not head.search(text) or "</body>" not in text:
+        raise RuntimeError(f"{page} is not a whole HTML page (no <head> or </body>)")
+    text = head.sub(lambda m: f'{m.group(0)}<base href="{page.parent.resolve().as_uri()}/">', text, count=1)
+    copy.write_text(text.replace("</body>", MEASURE_FIRST_FIGURE + "</body>", 1))
+    dom = _chromium(chromium, copy, "--dump-dom", work / "measure-profile")
+    found = re.search(r'data-first-figure="(-?\d+)"', dom)
+    if found is None:
+        raise RuntimeError(f"{page}: Chromium did not finish loading it (no measurement in its DOM)")
+    return None if int(found.group(1)) < 0 else int(found.group(1))
+
+
+def screenshots(run_dir: Path, chromium: str = "chromium") -> list[Screenshot]:
+    """Headless Chromium's view of index.html and each notebook page (the first SCREEN_HEIGHT pixels), as
+    PNGs in `<run_dir>/screenshots/`, with where each page's first figure is; raises RuntimeError naming a
+    page that did not render."""
+    import shutil
     import tempfile
 
     if shutil.which(chromium) is None:
@@ -326,26 +379,17 @@ def screenshots(run_dir: Path, chromium: str = "chromium") -> list[Path]:
     for page in pages:
         if not page.is_file():
             raise RuntimeError(f"{page} is missing: render the run first (eagle3 report)")
-        shot = out / f"{'index' if page.name == 'index.html' else page.stem}.png"
-        # a fresh profile per page, and the PNG written there first, then renamed: no half-written shots
-        with tempfile.TemporaryDirectory(prefix="eagle3-chromium-") as profile:
-            fresh = Path(profile) / "shot.png"
-            try:
-                done = subprocess.run(
-                    [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}/user-data",
-                     f"--window-size={SCREEN_WIDTH},{SCREEN_HEIGHT}", f"--screenshot={fresh}",
-                     page.resolve().as_uri()],
-                    capture_output=True, text=True, timeout=180,
-                )
-            except subprocess.TimeoutExpired as err:
-                raise RuntimeError(f"{page} did not render: {chromium} ran over {err.timeout} s") from err
-            if done.returncode != 0 or not fresh.is_file():
-                raise RuntimeError(f"{page} did not render ({chromium} exit {done.returncode}): "
-                                   f"{done.stderr.strip()[-500:]}")
+        png = out / f"{'index' if page.name == 'index.html' else page.stem}.png"
+        with tempfile.TemporaryDirectory(prefix="eagle3-chromium-") as work:
+            fresh = Path(work) / "shot.png"  # written here first, then renamed: no half-written shots
+            _chromium(chromium, page, f"--screenshot={fresh}", Path(work) / "profile")
+            if not fresh.is_file():
+                raise RuntimeError(f"{page} did not render: {chromium} wrote no screenshot")
             if is_blank(fresh):
                 raise RuntimeError(f"{page} rendered as a blank page in {chromium}")
-            os.replace(runs.shareable(fresh), shot)
-        shots.append(shot)
+            figure = first_figure_px(page, chromium, Path(work))
+            os.replace(runs.shareable(fresh), png)
+        shots.append(Screenshot(page, png, figure))
     return shots
 
 

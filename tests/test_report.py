@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 
+import matplotlib.figure
 import nbformat
 import pytest
 
@@ -152,12 +153,18 @@ def test_made_with_is_recorded_per_notebook_and_split_when_the_facts_change(tmp_
 def test_screenshots_show_each_page_and_refuse_a_blank_one(tmp_path):
     runs.Run.open(tmp_path, runs.load_params())
     executed_notebook(tmp_path / "02_diff_vocab_maps.ipynb", "22 of 2,048 positions agree.")
+    (tmp_path / "02_diff_vocab_maps").mkdir()
+    figure = matplotlib.figure.Figure(figsize=(4, 3))
+    figure.gca().plot([0, 1], [1, 0])
+    figure.savefig(tmp_path / "02_diff_vocab_maps" / "coverage.png")  # on the front page, not the notebook's
     report.write_summary(tmp_path)
     report.render_html(tmp_path)
     report.render_index(tmp_path)
     shots = report.screenshots(tmp_path)
-    assert [s.name for s in shots] == ["index.png", "02_diff_vocab_maps.png"]
-    assert all(not report.is_blank(shot) for shot in shots)
+    assert [s.png.name for s in shots] == ["index.png", "02_diff_vocab_maps.png"]
+    assert all(not report.is_blank(shot.png) for shot in shots)
+    assert shots[0].figure_on_screen and 0 < shots[0].first_figure_px < report.SCREEN_HEIGHT  # index: inline
+    assert shots[1].first_figure_px is None and not shots[1].figure_on_screen  # the page has no figure
     (tmp_path / "html" / "02_diff_vocab_maps.html").write_text("<html><body></body></html>")
     with pytest.raises(RuntimeError, match="02_diff_vocab_maps.html rendered as a blank page"):
         report.screenshots(tmp_path)
