@@ -142,3 +142,5 @@ def test_cli_run_reports_a_failing_notebook(tmp_path, monkeypatch, capsys):
     assert "02_diff_vocab_maps.ipynb failed in cell" in err.err
     assert str(tmp_path / "alone" / "02_diff_vocab_maps.ipynb") in err.err
     assert (tmp_path / "alone" / "summary.md").is_file()
+    assert err.out.splitlines()[-1] == f"eagle3 run: front page {tmp_path / 'alone' / 'index.html'}"
+    assert (tmp_path / "alone" / "html" / "02_diff_vocab_maps.html").is_file()  # the failure, readable
