@@ -46,7 +46,7 @@ import yaml
 
 from eagle3lib import runs
 from eagle3lib.checkpoint import load_drafter, save_drafter
-from eagle3lib.config import DrafterConfig, read_config
+from eagle3lib.config import LAYOUT_READERS, DrafterConfig, read_config
 from eagle3lib.data import TrainingData, training_data
 from eagle3lib.loss import (
     chance_loss,
@@ -337,6 +337,26 @@ def train_arm(arm: str, params: dict, out: Path, data: TrainingData, procs: Proc
     start = time.perf_counter()
 
     drafter, init_report = init_drafter(arm, train, data, seed)
+    # the drafter's verifier is the target its data was captured from, as the data's manifest names it (a
+    # SpecForge or speculators dump names none: a warm start's own verifier is kept, with a note)
+    manifest = getattr(data.reader, "manifest", None) or {}  # a stand-in reader may have none
+    verifier = (manifest.get("target") or {}).get("name")
+    if verifier:
+        drafter.config.verifier = verifier
+    speculators_copy = folder / "drafter-speculators"
+    # `drafter/` is eagle3lib's own checkpoint (read back by eagle3lib); the speculators copy is an export:
+    # refused now, by name, when a project reading it would compute another function
+    export_engines = LAYOUT_READERS["speculators"] if drafter.config.verifier else ("vLLM",)
+    if train["save_speculators"]:
+        drafter.config.check_engines("speculators", f"train.save_speculators ({speculators_copy})",
+                                     engines=export_engines)
+        if not verifier:
+            init_report += f"\nnote: the data ({data.target}) names no target model: " + (
+                f"{speculators_copy} names the warm start's verifier {drafter.config.verifier}"
+                if drafter.config.verifier else
+                f"{speculators_copy} is written for vLLM only (verifier.name_or_path null; speculators' "
+                "from_pretrained needs it)"
+            )
     log(f"[{arm}] initialisation:\n{init_report}")
     if procs.main:
         runs.atomic_write_text(folder / "load_report.txt", init_report + "\n")
@@ -364,7 +384,7 @@ def train_arm(arm: str, params: dict, out: Path, data: TrainingData, procs: Proc
     if procs.main:
         save_drafter(trainer.drafter, drafter_path, layout="sglang")
         if train["save_speculators"]:
-            save_drafter(trainer.drafter, folder / "drafter-speculators", layout="speculators")
+            save_drafter(trainer.drafter, speculators_copy, layout="speculators", engines=export_engines)
     result = ArmResult(
         arm=arm, folder=str(folder), init_report=init_report, check=asdict(check), final=final,
         final_check=asdict(final_check), drafter=str(drafter_path), steps=trainer.step,

@@ -16,6 +16,7 @@ import torch
 from eagle3lib import data, loss, runs, train
 from eagle3lib.capture import DataWriter
 from eagle3lib.checkpoint import load_drafter, save_drafter
+from eagle3lib.config import EngineMismatchError
 from eagle3lib.data import TrainingData
 from eagle3lib.trainer import BatchStream, Processes, Trainer, TrainingDiverged, TrainingError
 from eagle3lib.vocab import VocabMap, load_counts
@@ -183,6 +184,29 @@ def test_loss_falls_on_a_learnable_task(tmp_path, data_folder):
     assert torch.equal(drafter.d2t, synthetic_data(data_folder).vocab_map.d2t)
     same, report = load_drafter(tmp_path / "scratch" / "drafter-speculators", strict=True)
     assert report.layout == "speculators" and torch.equal(same.lm_head.weight, drafter.lm_head.weight)
+
+
+def test_speculators_copy_names_the_datas_target_and_refuses_what_speculators_cannot_compute(
+    tmp_path, data_folder
+):
+    result = train.train_arms(tiny_params(data_folder, steps=2, save_speculators=True), tmp_path / "ok")
+    copy = tmp_path / "ok" / "scratch" / "drafter-speculators"
+    raw = json.loads((copy / "config.json").read_text())
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == "synthetic"  # the manifest's target
+    assert load_drafter(result["scratch"].drafter, strict=True)[0].config.verifier == "synthetic"
+
+    # a warm start without the final norm before lm_head: speculators and vLLM always apply it, so the
+    # export is refused by name before any step; the internal drafter/ checkpoint alone would be written
+    training = synthetic_data(data_folder)
+    fresh, _ = train.init_drafter("scratch", tiny_params(data_folder)["train"], training, seed=0)
+    fresh.config.norm_before_lm_head = False
+    save_drafter(fresh, tmp_path / "no_final_norm")
+    params = tiny_params(data_folder, arms=["drafter"], drafter=str(tmp_path / "no_final_norm"), steps=2,
+                         save_speculators=True)
+    with pytest.raises(EngineMismatchError, match=r"train\.save_speculators.*vLLM always applies the final "
+                       r"norm before lm_head.*speculators always applies"):
+        train.train_arms(params, tmp_path / "refused")
+    assert not (tmp_path / "refused" / "drafter" / "metrics.jsonl").exists()
 
 
 def test_frozen_lm_head_stays_the_targets_rows(tmp_path, data_folder):
