@@ -530,7 +530,10 @@ def tiny_llama_drafter(seed: int) -> Eagle3Drafter:
     return drafter
 
 
-# (folder, seed, layout); if the recipe changes: save_drafter(tiny_llama_drafter(seed), folder, layout)
+# (folder, seed, layout); if the recipe changes: save_drafter(tiny_llama_drafter(seed), folder, layout,
+# engines=FIXTURE_READERS[layout]). The speculators-layout one is for vLLM alone (which takes the target's
+# embedding), so it carries none: a tiny-llama embedding would be 12 MB.
+FIXTURE_READERS = {"sglang": None, "speculators": ("vLLM",)}
 SMOKE_DRAFTERS = [
     (SMOKE_DRAFTER, 0, "sglang"),
     (SMOKE_DRAFTER.with_name("tiny_llama_drafter_b"), 1, "speculators"),
@@ -539,7 +542,7 @@ SMOKE_DRAFTERS = [
 
 @pytest.mark.parametrize("folder, seed, layout", SMOKE_DRAFTERS)
 def test_smoke_fixture_drafters_are_what_their_recipe_builds(tmp_path, folder, seed, layout):
-    save_drafter(tiny_llama_drafter(seed), tmp_path / "drafter", layout)
+    save_drafter(tiny_llama_drafter(seed), tmp_path / "drafter", layout, engines=FIXTURE_READERS[layout])
     committed, report = load_drafter(folder)
     rebuilt, _ = load_drafter(tmp_path / "drafter")
     assert report.layout == layout and committed.config == rebuilt.config
