@@ -36,7 +36,7 @@ from eagle3lib.sources import Sample, raw_samples, self_distilled_samples
 from eagle3lib.vocab import VocabMap
 
 
-def _parse_dtype(name: str, where: str) -> torch.dtype:
+def parse_dtype(name: str, where: str) -> torch.dtype:
     if name not in ("float32", "bfloat16", "float16"):
         raise DataError(f"{where}: hidden-state dtype must be float32, bfloat16 or float16, got {name!r}")
     return getattr(torch, name)
@@ -214,7 +214,6 @@ def capture_to_folder(
     ids = target.check_aux_layer_ids(aux_layer_ids)
     label = (provenance or {}).get("corpus", Path(path).name)
     progress = progress_bar(total=num_tokens, unit="tok", desc=f"capture {label}")
-    samples = iter(samples)
     with DataWriter(
         path,
         target=target.describe(),
@@ -224,11 +223,7 @@ def capture_to_folder(
         shard_tokens=shard_tokens,
         provenance=provenance,
     ) as writer:
-        while writer.num_tokens < num_tokens:
-            pool = _take_tokens(samples, num_tokens - writer.num_tokens, batch_size * 8)
-            if not pool:
-                break
-            pool.sort(key=lambda s: len(s.input_ids))
+        for pool in capture_pools(samples, num_tokens, batch_size):
             for start in range(0, len(pool), batch_size):
                 batch = pool[start : start + batch_size]
                 # right padding: a causal model's real positions never see what fills the rest
@@ -245,12 +240,22 @@ def capture_to_folder(
                     )
                     progress.update(n)
         progress.close()
-        if writer.num_tokens < num_tokens:
+        return writer.close()
+
+
+def capture_pools(samples: Iterable[Sample], num_tokens: int, batch_size: int) -> Iterator[list[Sample]]:
+    """Samples until they hold `num_tokens` tokens, in the order capture writes them: pools of
+    batch_size x 8 samples, each sorted by length so that batches waste little on padding."""
+    samples, taken = iter(samples), 0
+    while taken < num_tokens:
+        pool = _take_tokens(samples, num_tokens - taken, batch_size * 8)
+        if not pool:
             raise DataError(
-                f"the text ran out after {writer.num_tokens} of the {num_tokens} tokens asked for; "
+                f"the text ran out after {taken} of the {num_tokens} tokens asked for; "
                 "ask for fewer tokens or a larger corpus"
             )
-        return writer.close()
+        taken += sum(len(s.input_ids) for s in pool)
+        yield sorted(pool, key=lambda s: len(s.input_ids))
 
 
 def _take_tokens(samples: Iterator[Sample], tokens: int, max_samples: int) -> list[Sample]:
@@ -282,6 +287,27 @@ def prepare(
     seed: int = 0,
 ) -> Path:
     """Training text of one corpus (raw or self-distilled) through the target into a data folder."""
+    samples, provenance = training_text(target, corpus, text=text, seq_len=seq_len,
+                                        max_new_tokens=max_new_tokens, prompt_chars=prompt_chars,
+                                        batch_size=batch_size, heldout_fraction=heldout_fraction, seed=seed)
+    return capture_to_folder(
+        target,
+        samples,
+        path,
+        num_tokens=num_tokens,
+        aux_layer_ids=aux_layer_ids,
+        batch_size=batch_size,
+        dtype=parse_dtype(dtype, "data.dtype"),
+        shard_tokens=shard_tokens,
+        provenance=provenance,
+    )
+
+
+def training_text(
+    target, corpus: str, *, text: str, seq_len: int, max_new_tokens: int, prompt_chars: int, batch_size: int,
+    heldout_fraction: float, seed: int,
+) -> tuple[Iterator[Sample], dict]:
+    """The training samples of one corpus (raw or self-distilled), and their provenance."""
     if text == "raw":
         samples = raw_samples(target.tokenizer, corpus, seq_len, heldout_fraction, seed)
     elif text == "self-distill":
@@ -300,17 +326,7 @@ def prepare(
     }
     if text == "self-distill":
         provenance.update(max_new_tokens=max_new_tokens, prompt_chars=prompt_chars, decoding="greedy")
-    return capture_to_folder(
-        target,
-        samples,
-        path,
-        num_tokens=num_tokens,
-        aux_layer_ids=aux_layer_ids,
-        batch_size=batch_size,
-        dtype=_parse_dtype(dtype, "data.dtype"),
-        shard_tokens=shard_tokens,
-        provenance=provenance,
-    )
+    return samples, provenance
 
 
 def corpora_to_prepare(params: dict) -> dict[str, str]:

@@ -72,7 +72,7 @@ def _read_header(file: Path) -> dict[str, tuple[list[int], str]]:
         raise DataError(f"{file}: not a readable safetensors file (truncated or corrupt?): {err}") from err
 
 
-def _load_safetensors(file: Path, keys: Iterable[str] | None = None) -> dict[str, Tensor]:
+def load_tensors(file: Path, keys: Iterable[str] | None = None) -> dict[str, Tensor]:
     try:
         with safe_open(str(file), framework="pt") as handle:
             return {k: handle.get_tensor(k) for k in (keys or handle.keys())}
@@ -95,7 +95,7 @@ def load_target_head(path: str | os.PathLike) -> tuple[dict[str, Tensor], float 
         raise DataError(f"{file}: lacks {', '.join(missing)}")
     with safe_open(str(file), framework="pt") as handle:
         eps = (handle.metadata() or {}).get("rms_norm_eps")
-    return _load_safetensors(file, HEAD_KEYS), None if eps is None else float(eps)
+    return load_tensors(file, HEAD_KEYS), None if eps is None else float(eps)
 
 
 class DataReader:
@@ -214,7 +214,7 @@ class DataReader:
         """Input-token counts under the loss mask, [Vt] int64 (for VocabMap.from_counts)."""
         if self.format == "eagle3lib":
             file = self.path / "token_counts.safetensors"
-            counts = _load_safetensors(file, ["counts"])["counts"]
+            counts = load_tensors(file, ["counts"])["counts"]
             if counts.shape != (self.vocab_size,):
                 raise DataError(
                     f"{file}: counts has shape {list(counts.shape)}, expected [{self.vocab_size}]"
@@ -312,15 +312,15 @@ class DataReader:
         for key in ("aux_hidden_states", "last_hidden_state"):
             if _ST_DTYPES.get(header[key][1]) != dtype:
                 raise DataError(f"{shard}: {key} is {header[key][1]}, the manifest says {dtype}")
-        lengths = _load_safetensors(shard, ["sample_lengths"])["sample_lengths"]
+        lengths = load_tensors(shard, ["sample_lengths"])["sample_lengths"]
         if int(lengths.sum()) != n or bool((lengths < 1).any()):
             raise DataError(f"{shard}: sample_lengths add up to {int(lengths.sum())}, not its {n} tokens")
 
-    def _shard_samples(self, entry: dict, order: Tensor | None) -> Iterator[dict[str, Tensor]]:
-        tensors = _load_safetensors(self.path / entry["file"])
+    def _shard_samples(self, entry: dict, order: list[int]) -> Iterator[dict[str, Tensor]]:
+        tensors = load_tensors(self.path / entry["file"])
         lengths = tensors.pop("sample_lengths")
         starts = torch.cumsum(lengths, 0) - lengths
-        for i in order.tolist() if order is not None else range(len(lengths)):
+        for i in order:
             start, n = int(starts[i]), int(lengths[i])
             yield {k: v[start : start + n] for k, v in tensors.items()}
 
@@ -379,7 +379,7 @@ class DataReader:
                 "aux_hidden_states": _squeeze_batch(raw["aux_hidden_state"], file, "aux_hidden_state"),
             }
         else:
-            raw = _load_safetensors(file)
+            raw = load_tensors(file)
             if "hidden_states" not in raw or "token_ids" not in raw:
                 raise DataError(
                     f"{file}: a speculators sample needs hidden_states and token_ids, found {sorted(raw)}"
@@ -438,44 +438,37 @@ class DataReader:
     def samples(self, shuffle: bool = False, seed: int = 0) -> Iterator[dict[str, Tensor]]:
         """Every sample as unpadded [T, ...] tensors; with `shuffle`, shards (or files) and the samples
         within each shard come in a seeded random order (memory stays at one shard)."""
-        generator = torch.Generator().manual_seed(seed)
         if self.format == "eagle3lib":
             shards = self.manifest["shards"]
-            for s in (
-                torch.randperm(len(shards), generator=generator).tolist() if shuffle else range(len(shards))
-            ):
-                entry = shards[s]
-                order = torch.randperm(entry["num_samples"], generator=generator) if shuffle else None
-                yield from self._shard_samples(entry, order)
+            for s, order in reading_order([entry["num_samples"] for entry in shards], shuffle, seed):
+                yield from self._shard_samples(shards[s], order)
         else:
-            for i in (
-                torch.randperm(len(self.files), generator=generator).tolist()
-                if shuffle
-                else range(len(self.files))
-            ):
+            for i, _ in reading_order([1] * len(self.files), shuffle, seed):
                 yield self._complete_dump_sample(self._read_dump(self.files[i]))
 
     def batches(
-        self, batch_size: int, seq_len: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False
+        self, batch_size: int, seq_len: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+        skip: int = 0, rows: slice | None = None,
     ) -> Iterator[dict[str, Tensor]]:
         """Training batches: `input_ids`, `loss_mask`, `aux_hidden_states`, `last_hidden_state`,
         `target_argmax` and `attention_mask` (bool), each [B, T, ...] with T ≤ seq_len, right-padded.
 
         A sample longer than seq_len is cut into consecutive windows of seq_len (nothing is dropped;
-        each window keeps the hidden states captured with the full context).
+        each window keeps the hidden states captured with the full context). `skip` passes over the first
+        batches (a resumed epoch); `rows` keeps those rows of each batch (one process's share).
         """
-        if batch_size < 1 or seq_len < 2:
-            raise DataError(f"batch_size must be ≥ 1 and seq_len ≥ 2, got {batch_size} and {seq_len}")
-        pending: list[dict[str, Tensor]] = []
-        for sample in self.samples(shuffle, seed):
-            length = sample["input_ids"].shape[0]
-            for start in range(0, length, seq_len):
-                pending.append({k: v[start : start + seq_len] for k, v in sample.items()})
-                if len(pending) == batch_size:
-                    yield collate(pending)
-                    pending = []
-        if pending and not drop_last:
-            yield collate(pending)
+        held: dict[int, dict[str, Tensor]] = {}
+
+        def numbered() -> Iterator[tuple[int, int]]:
+            for i, sample in enumerate(self.samples(shuffle, seed)):
+                held[i] = sample
+                yield sample["input_ids"].shape[0], i
+
+        for n, plan in enumerate(window_plans(numbered(), batch_size, seq_len, drop_last)):
+            if n >= skip:
+                yield collate([window(held[key], start, seq_len) for key, start in plan[rows or slice(None)]])
+            for key in [key for key in held if key < plan[-1][0]]:  # only the last sample can go on
+                del held[key]
 
     def __repr__(self) -> str:
         return (
@@ -498,15 +491,61 @@ def _squeeze_batch(tensor: Tensor, file: Path, key: str) -> Tensor:
     raise DataError(f"{file}: {key} has shape {list(tensor.shape)}, expected [1, T, width] or [T, width]")
 
 
+def reading_order(shard_sizes: list[int], shuffle: bool, seed: int) -> Iterator[tuple[int, list[int]]]:
+    """(shard, its sample indices) in the order an epoch reads them: as stored, or with `shuffle` the
+    shards and then the samples within each in a seeded random order (memory stays at one shard)."""
+    generator = torch.Generator().manual_seed(seed)
+    count = len(shard_sizes)
+    for s in torch.randperm(count, generator=generator).tolist() if shuffle else range(count):
+        size = shard_sizes[s]
+        yield s, torch.randperm(size, generator=generator).tolist() if shuffle else list(range(size))
+
+
+def shard_sizes(lengths: list[int], shard_tokens: int) -> list[int]:
+    """Samples per shard when samples of these lengths are written in order: a shard closes as soon as it
+    holds `shard_tokens` tokens (`DataWriter`'s rule; the online reader reads text in the same shards)."""
+    sizes, count, tokens = [], 0, 0
+    for length in lengths:
+        count, tokens = count + 1, tokens + length
+        if tokens >= shard_tokens:
+            sizes.append(count)
+            count, tokens = 0, 0
+    return sizes + [count] if count else sizes
+
+
+def window_plans(
+    samples: Iterator[tuple[int, int]], batch_size: int, seq_len: int, drop_last: bool = False
+) -> Iterator[list[tuple[int, int]]]:
+    """Batches as plans: lists of (sample key, start) windows of at most seq_len tokens, from (length,
+    key) pairs in reading order; a sample longer than seq_len gives consecutive windows."""
+    if batch_size < 1 or seq_len < 2:
+        raise DataError(f"batch_size must be ≥ 1 and seq_len ≥ 2, got {batch_size} and {seq_len}")
+    pending: list[tuple[int, int]] = []
+    for length, key in samples:
+        for start in range(0, length, seq_len):
+            pending.append((key, start))
+            if len(pending) == batch_size:
+                yield pending
+                pending = []
+    if pending and not drop_last:
+        yield pending
+
+
+def window(sample: dict[str, Tensor], start: int, seq_len: int) -> dict[str, Tensor]:
+    return {key: value[start : start + seq_len] for key, value in sample.items()}
+
+
 def collate(samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Right-padded [B, T, ...] tensors and a bool `attention_mask`, on the samples' device."""
     width = max(s["input_ids"].shape[0] for s in samples)
+    device = samples[0]["input_ids"].device
     batch = {}
     for key, first in samples[0].items():
-        out = torch.zeros((len(samples), width, *first.shape[1:]), dtype=first.dtype)
+        out = torch.zeros((len(samples), width, *first.shape[1:]), dtype=first.dtype, device=device)
         for row, sample in enumerate(samples):
             out[row, : sample[key].shape[0]] = sample[key]
         batch[key] = out
-    batch["attention_mask"] = torch.zeros((len(samples), width), dtype=torch.bool)
+    batch["attention_mask"] = torch.zeros((len(samples), width), dtype=torch.bool, device=device)
     for row, sample in enumerate(samples):
         batch["attention_mask"][row, : sample["input_ids"].shape[0]] = True
     return batch
@@ -566,5 +605,5 @@ def training_data(train: dict, run_dir: str | os.PathLike | None):
 
 def load_token_counts(folder: str | os.PathLike) -> tuple[Tensor, Tensor]:
     """(input-token counts, target-argmax counts) under the loss mask, each [Vt], of a data folder."""
-    tables = _load_safetensors(Path(folder) / "token_counts.safetensors", ["counts", "argmax_counts"])
+    tables = load_tensors(Path(folder) / "token_counts.safetensors", ["counts", "argmax_counts"])
     return tables["counts"], tables["argmax_counts"]

@@ -98,7 +98,10 @@ DEFAULTS: dict[str, Any] = {
     },
     "train": {  # 04_finetune, eagle3lib.train
         "arms": ["scratch"],  # a drafter per entry, same data and budget: scratch|drafter|drafter-no-remap
-        "data": "",  # data folder; "" = the one 00_prepare_data wrote in this run
+        # offline: from hidden states captured first (00_prepare_data, or a SpecForge/speculators dump);
+        # online: the target runs in the loop on the `data` section's text (kept in <out>/online_data/)
+        "data_mode": "offline",
+        "data": "",  # offline data folder; "" = the one 00_prepare_data wrote in this run
         # SpecForge/speculators dumps only, which carry neither: the target's embed/norm/lm_head weights
         # (a target_head.safetensors) and the layers the dump holds (eagle3lib numbering)
         "target_head": "",

@@ -52,6 +52,7 @@ from eagle3lib.loss import (
     chance_loss,
 )
 from eagle3lib.model import Eagle3Drafter
+from eagle3lib.online import online_training_data
 from eagle3lib.remap import MISSING_POLICIES, drafter_map, remap_drafter
 from eagle3lib.trainer import (
     RESUME_FREE,
@@ -249,6 +250,11 @@ def check_settings(train: dict) -> None:
                         f"positive, train.max_grad_norm ({train['max_grad_norm']}) not negative")
     if not 0 <= train["min_lr_ratio"] <= 1:
         problems.append(f"train.min_lr_ratio must lie in [0, 1], got {train['min_lr_ratio']}")
+    if train["data_mode"] not in ("offline", "online"):
+        problems.append(f"train.data_mode must be offline or online, got {train['data_mode']!r}")
+    elif train["data_mode"] == "online" and (train["data"] or train["target_head"]):
+        problems.append("train.data and train.target_head name offline data; an online run takes its text "
+                        "from the data section and its target from the target section")
     if train["dtype"] not in ("auto", "fp32", "bf16"):
         problems.append(f"train.dtype must be auto, fp32 or bf16, got {train['dtype']!r}")
     if train["remap_missing"] not in MISSING_POLICIES:
@@ -420,8 +426,15 @@ def train_arms(
         launch(params, out, run_dir, resume=resume)
         return {arm: ArmResult.read(out / arm) for arm in train["arms"]}
     procs = Processes.start(params["run"]["device"])
-    data = training_data(train, run_dir)
+    data = arms_data(params, out, run_dir, procs)
     return {arm: train_arm(arm, params, out, data, procs, resume=resume) for arm in train["arms"]}
+
+
+def arms_data(params: dict, out: Path, run_dir: Path | None, procs: Processes) -> TrainingData:
+    """What every arm trains on: captured hidden states (offline), or the target in the loop (online)."""
+    if params["train"]["data_mode"] == "online":
+        return online_training_data(params, out, procs.device, procs.main, procs.barrier)
+    return training_data(params["train"], run_dir)
 
 
 def stand_in_key(params: dict, target_fingerprint: str) -> str:
@@ -532,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     procs = Processes.start(params["run"]["device"])
     try:
         check_settings(params["train"])
-        data = training_data(params["train"], run_dir)
+        data = arms_data(params, out, run_dir, procs)
         for arm in params["train"]["arms"]:
             train_arm(arm, params, out, data, procs, resume=args.resume)
     except (ValueError, FileExistsError) as err:  # bad input: params, data, checkpoints, a diverged run

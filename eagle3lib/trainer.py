@@ -104,16 +104,19 @@ class Processes:
 
 
 class BatchStream:
-    """Global batches in a seeded order, epoch after epoch; `state` (epoch, batch index) is what a
-    checkpoint keeps, so a resumed run sees exactly the batches an uninterrupted one would.
+    """Global batches in a seeded order, epoch after epoch, of which this process gets its rows; `state`
+    (epoch, batch index) is what a checkpoint keeps, so a resumed run sees exactly the batches an
+    uninterrupted one would.
 
-    Every rank reads the same global batch and keeps its own slice of it, so the result does not depend
-    on the number of processes. A short last batch of an epoch is left out (logged once).
+    Every rank walks the same order and takes its own slice of each global batch (only that slice is read,
+    or computed by the target online), so the result does not depend on the number of processes. A short
+    last batch of an epoch is left out.
     """
 
-    def __init__(self, reader, batch_size: int, seq_len: int, seed: int, log=print):
+    def __init__(self, reader, batch_size: int, seq_len: int, seed: int, procs: Processes):
         self.reader, self.batch_size, self.seq_len, self.seed = reader, batch_size, seq_len, seed
-        self.log = log
+        share = batch_size // procs.world_size
+        self.rows = slice(procs.rank * share, (procs.rank + 1) * share)
         self.epoch, self.index = 0, 0
         self._batches: Iterator[dict] | None = None
 
@@ -125,24 +128,17 @@ class BatchStream:
         self.epoch, self.index, self._batches = state["epoch"], state["index"], None
 
     def _open_epoch(self) -> Iterator[dict]:
-        seed = self.seed + self.epoch
-        batches = self.reader.batches(self.batch_size, self.seq_len, shuffle=True, seed=seed)
-        for _ in range(self.index):  # resume: skip the batches this epoch already gave
-            next(batches)
-        return batches
+        return self.reader.batches(self.batch_size, self.seq_len, shuffle=True, seed=self.seed + self.epoch,
+                                   drop_last=True, skip=self.index, rows=self.rows)
 
     def next(self) -> dict:
+        """This process's rows of the next global batch."""
         for _ in range(2):
             if self._batches is None:
                 self._batches = self._open_epoch()
             for batch in self._batches:
-                size = len(batch["input_ids"])
-                if size == self.batch_size:
-                    self.index += 1
-                    return batch
-                if self.epoch == 0:
-                    self.log(f"each epoch leaves out its last {size} sequence(s): fewer than batch_size="
-                             f"{self.batch_size}")
+                self.index += 1
+                return batch
             if self.index == 0:
                 break
             self.epoch, self.index, self._batches = self.epoch + 1, 0, None
@@ -243,7 +239,7 @@ class Trainer:
             self.optimizer,
             lambda step: lr_factor(step, train["warmup_steps"], train["steps"], train["min_lr_ratio"]),
         )
-        self.stream = BatchStream(data.reader, train["batch_size"], train["seq_len"], seed, log=self.log)
+        self.stream = BatchStream(data.reader, train["batch_size"], train["seq_len"], seed, procs)
         self.step = 0
         self.autocast_dtype = _autocast_dtype(train["dtype"], device)
 
@@ -285,13 +281,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ one optimizer step
 
-    def _optimizer_step(self, batch: dict) -> tuple[torch.Tensor, float, int]:
+    def _optimizer_step(self, mine: dict) -> tuple[torch.Tensor, float, int]:
         """Forward/backward over this rank's micro-batches of one global batch, then one AdamW step.
 
         Returns the step's sums [5, K] (all ranks), the gradient norm, and the tokens seen by all ranks.
         """
         procs, n_micro = self.procs, self.micro_batches
-        mine = split_batch(batch, procs.world_size, procs.rank)
         micro = [self.to_device(split_batch(mine, n_micro, i)) for i in range(n_micro)]
         masks = [position_masks(m, self.t2d) for m in micro]
         # the loss is a mean over the global batch's rows: count them before any backward

@@ -317,8 +317,8 @@ class PoisonedReader:
     def __init__(self, reader):
         self.reader = reader
 
-    def batches(self, batch_size, seq_len, shuffle, seed):
-        for i, batch in enumerate(self.reader.batches(batch_size, seq_len, shuffle, seed)):
+    def batches(self, batch_size, seq_len, shuffle, seed, **reading):
+        for i, batch in enumerate(self.reader.batches(batch_size, seq_len, shuffle, seed, **reading)):
             if shuffle and i == 2:
                 batch = {**batch, "aux_hidden_states": batch["aux_hidden_states"] * float("nan")}
             yield batch

@@ -1,0 +1,200 @@
+"""Online training data: the target runs inside the training loop, and no hidden states are stored.
+
+SpecForge's and speculators' default for targets that fit beside the drafter. Only the token text is
+kept, in `<train out>/online_data/` (`train.data_mode: online`):
+- `text.safetensors`: `input_ids`, `loss_mask` and `sample_lengths`, the samples in the order a capture
+  would write them (8 bytes a token, where hidden states take about 13 KB a token at H 576 in bf16);
+- `token_counts.safetensors` (`counts`: input tokens under the loss mask) and `vocab_map.safetensors`
+  built from them, unless `train.vocab_map` names a map;
+- `manifest.json`: the target, the data settings that made the text, and its size.
+A resumed or repeated run reuses the folder (a self-distilled text is generated once) after checking that
+the recipe still describes it.
+
+`OnlineReader` yields the batches `DataReader` yields from a capture of the same text: the text is cut into
+the shards `DataWriter` would write and read in the same seeded order, into the same windows; the target
+computes each batch's hidden states when the batch is asked for, only for this process's rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from eagle3lib import runs
+from eagle3lib.capture import capture_pools, parse_dtype, training_text
+from eagle3lib.data import (
+    VOCAB_MAP_FILE,
+    DataError,
+    TrainingData,
+    collate,
+    load_tensors,
+    reading_order,
+    shard_sizes,
+    window,
+    window_plans,
+)
+from eagle3lib.progress import progress as progress_bar
+from eagle3lib.target import Target
+from eagle3lib.vocab import VocabMap
+
+FORMAT = "eagle3lib-text"
+FOLDER = "online_data"
+TEXT_FILE = "text.safetensors"
+# the data settings that decide the text (and so the batches) of an online run
+TEXT_SETTINGS = ("corpus", "num_tokens", "text", "max_new_tokens", "prompt_chars", "seq_len", "batch_size",
+                 "shard_tokens", "heldout_fraction", "draft_vocab_size")
+
+
+def make_text(target: Target, data: dict, seed: int, folder: Path) -> Path:
+    """Write the online text folder for the recipe's `data` section (written aside, then renamed)."""
+    samples, provenance = training_text(
+        target, data["corpus"], text=data["text"], seq_len=data["seq_len"],
+        max_new_tokens=data["max_new_tokens"], prompt_chars=data["prompt_chars"],
+        batch_size=data["batch_size"], heldout_fraction=data["heldout_fraction"], seed=seed,
+    )
+    kept = []
+    progress = progress_bar(total=data["num_tokens"], unit="tok", desc=f"online text {data['corpus']}")
+    for pool in capture_pools(samples, data["num_tokens"], data["batch_size"]):
+        kept += pool
+        progress.update(sum(len(s.input_ids) for s in pool))
+    progress.close()
+    input_ids = torch.cat([s.input_ids for s in kept])
+    loss_mask = torch.cat([s.loss_mask for s in kept])
+    counts = torch.bincount(input_ids[loss_mask], minlength=target.vocab_size)
+    manifest = {
+        "format": FORMAT,
+        "target": target.describe(),
+        "seed": seed,
+        "settings": {key: data[key] for key in TEXT_SETTINGS},
+        "provenance": provenance,
+        "num_samples": len(kept),
+        "num_tokens": len(input_ids),
+        "num_loss_tokens": int(loss_mask.sum()),
+    }
+    with runs.staged_folder(folder) as staging:
+        save_file({"input_ids": input_ids, "loss_mask": loss_mask,
+                   "sample_lengths": torch.tensor([len(s.input_ids) for s in kept])}, staging / TEXT_FILE)
+        save_file({"counts": counts}, staging / "token_counts.safetensors")
+        VocabMap.from_counts(counts, data["draft_vocab_size"], target.vocab_size, str(folder)).save(
+            staging / VOCAB_MAP_FILE)
+        (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return folder
+
+
+def check_text(folder: Path, target: Target, data: dict, seed: int) -> dict:
+    """The folder's manifest, or a DataError naming what the recipe now says differently."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    wanted = {key: data[key] for key in TEXT_SETTINGS}
+    changed = [f"data.{key} {manifest['settings'].get(key)!r} -> {value!r}"
+               for key, value in wanted.items() if manifest["settings"].get(key) != value]
+    if manifest["seed"] != seed:
+        changed.append(f"run.seed {manifest['seed']} -> {seed}")
+    if manifest["target"]["fingerprint"] != target.fingerprint:
+        changed.append(f"target {manifest['target']['name']} -> {target.name} (another fingerprint)")
+    if changed:
+        raise DataError(
+            f"{folder}: this online text was made with other settings ({'; '.join(changed)}); "
+            "train into another output folder, or put the recipe back"
+        )
+    return manifest
+
+
+class OnlineReader:
+    """`DataReader`'s batches, with the hidden states computed by the target as each batch is asked for."""
+
+    def __init__(self, folder: Path, target: Target, aux_layer_ids: list[int], dtype: torch.dtype,
+                 manifest: dict):
+        self.path, self.target, self.aux_layer_ids, self.dtype = folder, target, aux_layer_ids, dtype
+        self.manifest = {**manifest, "aux_layer_ids": aux_layer_ids}
+        text = load_tensors(folder / TEXT_FILE)
+        self.lengths = text["sample_lengths"].tolist()
+        self.texts = list(zip(text["input_ids"].split(self.lengths), text["loss_mask"].split(self.lengths),
+                              strict=True))
+        self.shards = shard_sizes(self.lengths, manifest["settings"]["shard_tokens"])
+
+    @property
+    def hidden_size(self) -> int:
+        return self.target.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.vocab_size
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.lengths)
+
+    def batches(
+        self, batch_size: int, seq_len: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+        skip: int = 0, rows: slice | None = None,
+    ) -> Iterator[dict[str, Tensor]]:
+        """As `DataReader.batches`; skipped batches and other processes' rows cost no target forward."""
+        first = [0, *torch.tensor(self.shards).cumsum(0).tolist()]
+        order = ((self.lengths[first[s] + i], first[s] + i)
+                 for s, indices in reading_order(self.shards, shuffle, seed) for i in indices)
+        for n, plan in enumerate(window_plans(order, batch_size, seq_len, drop_last)):
+            if n < skip:
+                continue
+            plan = plan[rows or slice(None)]
+            # a sample cut into windows across two batches is computed twice: cheaper than holding it
+            keys = list(dict.fromkeys(key for key, _ in plan))
+            computed = dict(zip(keys, self._forward(keys), strict=True))
+            yield collate([window(computed[key], start, seq_len) for key, start in plan])
+
+    @torch.no_grad()
+    def _forward(self, keys: list[int]) -> list[dict[str, Tensor]]:
+        """The samples as a capture stores them: one right-padded target forward, states in data.dtype."""
+        padded = collate([{"input_ids": self.texts[key][0]} for key in keys])
+        captured = self.target.capture(padded["input_ids"], padded["attention_mask"], self.aux_layer_ids)
+        device = captured.last_hidden_state.device
+        samples = []
+        for row, key in enumerate(keys):
+            n = self.lengths[key]
+            input_ids, loss_mask = self.texts[key]
+            samples.append({
+                "input_ids": input_ids.to(device),
+                "loss_mask": loss_mask.to(device),
+                "target_argmax": captured.target_argmax[row, :n],
+                "aux_hidden_states": captured.aux_hidden_states[row, :n].to(self.dtype),
+                "last_hidden_state": captured.last_hidden_state[row, :n].to(self.dtype),
+            })
+        return samples
+
+    def __repr__(self) -> str:
+        return f"OnlineReader({str(self.path)!r}, target={self.target.name}, samples={self.num_samples})"
+
+
+def online_training_data(params: dict, out: Path, device: torch.device, main: bool = True,
+                         barrier=lambda: None) -> TrainingData:
+    """The trainer's inputs for `train.data_mode: online`: the recipe's target (loaded on `device`), the
+    text folder `out/online_data/` (made by the main process when missing, else checked), and the vocab
+    map (`train.vocab_map`, else the text's own)."""
+    spec, data, train = params["target"], params["data"], params["train"]
+    target = Target.load(spec["spec"], dtype=spec["dtype"], device=device,
+                         cache_dir=spec["cache_dir"] or None)
+    seed = params["run"]["seed"]
+    folder = Path(out) / FOLDER
+    if main and not folder.exists():
+        make_text(target, data, seed, folder)
+    barrier()
+    manifest = check_text(folder, target, data, seed)
+    map_path = runs.resolve_path(train["vocab_map"]) if train["vocab_map"] else folder / VOCAB_MAP_FILE
+    if not os.path.exists(map_path):
+        raise DataError(f"{map_path}: no vocab map (train.vocab_map)")
+    aux_layer_ids = target.check_aux_layer_ids(spec["aux_layer_ids"] or None)
+    reader = OnlineReader(folder, target, aux_layer_ids, parse_dtype(data["dtype"], "data.dtype"), manifest)
+    return TrainingData(
+        reader=reader,
+        vocab_map=VocabMap.load(map_path, vt=target.vocab_size),
+        head=target.head_weights(),
+        target_hidden_size=target.hidden_size,
+        vocab_size=target.vocab_size,
+        aux_layer_ids=aux_layer_ids,
+        target=target.name,
+    )
