@@ -170,25 +170,37 @@ class OnlineReader:
         return f"OnlineReader({str(self.path)!r}, target={self.target.name}, samples={self.num_samples})"
 
 
+def load_target(params: dict, device: torch.device | str) -> Target:
+    spec = params["target"]
+    return Target.load(spec["spec"], dtype=spec["dtype"], device=device, cache_dir=spec["cache_dir"] or None)
+
+
+def ensure_text(params: dict, out: Path, target: Target) -> tuple[Path, dict]:
+    """`out/online_data/` and its manifest: made when missing, else checked against the recipe."""
+    folder = Path(out) / FOLDER
+    if not folder.exists():
+        make_text(target, params["data"], params["run"]["seed"], folder)
+    return folder, check_text(folder, target, params["data"], params["run"]["seed"])
+
+
 def online_training_data(params: dict, out: Path, device: torch.device, main: bool = True,
                          barrier=lambda: None) -> TrainingData:
     """The trainer's inputs for `train.data_mode: online`: the recipe's target (loaded on `device`), the
-    text folder `out/online_data/` (made by the main process when missing, else checked), and the vocab
-    map (`train.vocab_map`, else the text's own)."""
-    spec, data, train = params["target"], params["data"], params["train"]
-    target = Target.load(spec["spec"], dtype=spec["dtype"], device=device,
-                         cache_dir=spec["cache_dir"] or None)
-    seed = params["run"]["seed"]
-    folder = Path(out) / FOLDER
-    if main and not folder.exists():
-        make_text(target, data, seed, folder)
+    text folder `out/online_data/` (made by the main process when missing; `train_arms` makes it before
+    it launches torchrun, so that no rank waits on a long self-distillation), and the vocab map
+    (`train.vocab_map`, else the text's own)."""
+    target = load_target(params, device)
+    if main:
+        ensure_text(params, out, target)
     barrier()
-    manifest = check_text(folder, target, data, seed)
+    folder, manifest = ensure_text(params, out, target)
+    train = params["train"]
     map_path = runs.resolve_path(train["vocab_map"]) if train["vocab_map"] else folder / VOCAB_MAP_FILE
     if not os.path.exists(map_path):
         raise DataError(f"{map_path}: no vocab map (train.vocab_map)")
-    aux_layer_ids = target.check_aux_layer_ids(spec["aux_layer_ids"] or None)
-    reader = OnlineReader(folder, target, aux_layer_ids, parse_dtype(data["dtype"], "data.dtype"), manifest)
+    aux_layer_ids = target.check_aux_layer_ids(params["target"]["aux_layer_ids"] or None)
+    dtype = parse_dtype(params["data"]["dtype"], "data.dtype")
+    reader = OnlineReader(folder, target, aux_layer_ids, dtype, manifest)
     return TrainingData(
         reader=reader,
         vocab_map=VocabMap.load(map_path, vt=target.vocab_size),

@@ -52,7 +52,7 @@ from eagle3lib.loss import (
     chance_loss,
 )
 from eagle3lib.model import Eagle3Drafter
-from eagle3lib.online import online_training_data
+from eagle3lib.online import ensure_text, load_target, online_training_data
 from eagle3lib.remap import MISSING_POLICIES, drafter_map, remap_drafter
 from eagle3lib.trainer import (
     RESUME_FREE,
@@ -423,6 +423,8 @@ def train_arms(
     check_settings(train)
     out = Path(out)
     if train["nproc"] > 1:
+        if train["data_mode"] == "online":  # the text first, in one process (self-distillation is long)
+            ensure_text(params, out, load_target(params, params["run"]["device"]))
         launch(params, out, run_dir, resume=resume)
         return {arm: ArmResult.read(out / arm) for arm in train["arms"]}
     procs = Processes.start(params["run"]["device"])
