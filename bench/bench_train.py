@@ -51,7 +51,8 @@ class RandomBatches:
             "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long),
         }
 
-    def batches(self, batch_size: int, seq_len: int, shuffle: bool, seed: int):
+    def batches(self, batch_size: int, seq_len: int, shuffle: bool, seed: int, **reading):
+        """Endless (the trainer's `skip` and `rows` do not apply: one process, no resume)."""
         key = (batch_size, seq_len, seed)
         if key not in self.made:
             generator = torch.Generator().manual_seed(seed)
