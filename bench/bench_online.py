@@ -54,7 +54,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--target-dtype", default="auto")
     args = parser.parse_args()
-    print(f"load average {os.getloadavg()[0]:.1f}; {args.tokens} tokens of raw stdlib code, {args.steps} steps")
+    print(f"load average {os.getloadavg()[0]:.1f}; {args.tokens} tokens of raw stdlib code, "
+          f"{args.steps} steps")
     with tempfile.TemporaryDirectory() as work:
         run_dir = Path(work) / "offline"
         params = recipe("offline", args)
@@ -77,10 +78,11 @@ def main() -> None:
     print(f"offline: capture {offline['prepare_s']:.0f} s ({args.tokens / offline['prepare_s']:.0f} tok/s), "
           f"{offline['disk_mb']:.1f} MB on disk; training {offline['tokens_per_s']:.0f} tok/s")
     print(f"online:  {online['disk_mb']:.2f} MB on disk (text, counts, map); training "
-          f"{online['tokens_per_s']:.0f} tok/s with the target in the loop ({online['total_s']:.0f} s in all)")
+          f"{online['tokens_per_s']:.0f} tok/s with the target in the loop "
+          f"({online['total_s']:.0f} s in all)")
     ratio = online["tokens_per_s"] / offline["tokens_per_s"]
-    print(f"online / offline training throughput: {ratio:.2f}x; disk {offline['disk_mb'] / online['disk_mb']:.0f}x "
-          "less online")
+    less = offline["disk_mb"] / online["disk_mb"]
+    print(f"online / offline training throughput: {ratio:.2f}x; disk {less:.0f}x less online")
 
 
 if __name__ == "__main__":

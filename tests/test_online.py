@@ -85,7 +85,8 @@ def test_online_gives_the_offline_loss_curve_on_the_same_text(offline_run, onlin
     assert load_drafter(result.drafter, strict=True)[0].config.verifier == "zoo:tiny-llama"
 
 
-def test_resume_online_continues_exactly_without_recomputing_skipped_batches(tmp_path, online_run, monkeypatch):
+def test_resume_online_continues_exactly_without_recomputing_skipped_batches(tmp_path, online_run,
+                                                                             monkeypatch):
     params = recipe("online", checkpoint_every=3, keep_checkpoints=1)
     calls = {"next": 0, "forwards": 0}
     next_batch, forward = BatchStream.next, Target.capture
