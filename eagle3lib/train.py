@@ -363,7 +363,10 @@ def train_arm(arm: str, params: dict, out: Path, data: TrainingData, procs: Proc
                 f"{speculators_copy} is written for vLLM only (verifier.name_or_path null; speculators' "
                 "from_pretrained needs it)"
             )
-    log(f"[{arm}] initialisation:\n{init_report}")
+    # the whole report goes to log.txt and load_report.txt; the console (and notebook 04, which shows the
+    # reports after training) gets its first line
+    log(f"[{arm}] initialisation:\n{init_report}", echo=False)
+    log(f"[{arm}] {init_report.splitlines()[0]} (the whole report: {folder / 'load_report.txt'})")
     if procs.main:
         runs.atomic_write_text(folder / "load_report.txt", init_report + "\n")
     trainer = Trainer(drafter, data, train, seed, folder, procs, log=log)
@@ -405,9 +408,10 @@ def train_arm(arm: str, params: dict, out: Path, data: TrainingData, procs: Proc
 
 
 def _logger(path: Path, procs: Processes):
-    def log(message: str) -> None:
+    def log(message: str, echo: bool = True) -> None:
         if procs.main:
-            print(message, flush=True)
+            if echo:
+                print(message, flush=True)
             with path.open("a") as handle:
                 handle.write(message + "\n")
 
