@@ -1,8 +1,9 @@
 """Ship a drafter this project trained: its weights (bfloat16 by default) and the provenance that made it.
 
 A published folder is an ordinary SGLang-layout checkpoint plus `provenance.json`: the command and git commit
-that trained it, the recipe, its training curve and last training metrics (which notebook 05 turns into a
-predicted τ), what notebook 05 measured for it, and the SHA-256 of its weights, which `verify` checks.
+that trained it (as `eagle3 run` recorded it for notebook 04; the commit it was published at too), the
+recipe, its training curve and last training metrics (which notebook 05 turns into a predicted τ), what
+notebook 05 measured for it, and the SHA-256 of its weights, which `verify` checks.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def publish(run_dir: Path, arm: str, out: Path, *, command: str, dtype: torch.dt
                               staging / "training_curve.png")
         record = {
             "command": command,
-            "commit": runs.git_commit(),
+            "commit": training_commit(metrics),
+            "published_at_commit": runs.git_commit(),
             "dtype": str(dtype).removeprefix("torch."),
             "load_report": report.summary(),
             "recipe": yaml.safe_load((Path(run_dir) / "params.yaml").read_text()),
@@ -67,6 +69,14 @@ def publish(run_dir: Path, arm: str, out: Path, *, command: str, dtype: torch.dt
         }
         runs.atomic_write_text(staging / PROVENANCE, json.dumps(record, indent=1) + "\n")
     return Path(out)
+
+
+def training_commit(metrics: dict) -> str:
+    """The git commit `eagle3 run` recorded when it ran notebook 04 ("+changes": with uncommitted edits)."""
+    runs_of_04 = [p for p in metrics.get("provenance", []) if "04_finetune" in p.get("notebooks", [])]
+    if not runs_of_04:
+        raise PublishError("the run's metrics.json records no provenance for 04_finetune (use eagle3 run)")
+    return runs_of_04[-1]["git commit"]
 
 
 def verify(folder: Path) -> dict:

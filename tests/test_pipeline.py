@@ -81,6 +81,7 @@ def test_smoke_recipe_runs_all_six_notebooks_chained(smoke_run, tmp_path):
     published = publish.publish(run_dir, "scratch", tmp_path / "published", command="pytest")
     record = publish.verify(published)
     assert record["command"] == "pytest" and record["steps"] == 4 and len(record["training_curve"]) == 2
+    assert record["commit"] == metrics["provenance"][-1]["git commit"]  # the commit that ran 04
     assert record["measured"]["drafters"]["scratch"]["tau"] == evaluated["scratch"]["tau"]
     drafter, load_report = load_drafter(published, strict=True)
     assert drafter.lm_head.weight.dtype == torch.bfloat16 and not load_report.missing
