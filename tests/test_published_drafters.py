@@ -1,0 +1,35 @@
+"""The drafters shipped under drafters/: weights as recorded, loaded strictly, fit for their target."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig
+
+from eagle3lib import publish, zoo
+from eagle3lib.checkpoint import load_drafter
+from eagle3lib.config import default_aux_layer_ids
+from eagle3lib.speculate import check_compatible
+
+DRAFTERS = sorted(publish.DEMO_SOURCE_DRAFTER.parent.glob("*/provenance.json"))
+SMOLLM2 = LlamaConfig(num_hidden_layers=30, hidden_size=576, vocab_size=49152)  # SmolLM2-135M-Instruct
+
+
+def test_the_demo_source_drafter_is_shipped():
+    assert publish.DEMO_SOURCE_DRAFTER / publish.PROVENANCE in DRAFTERS
+
+
+@pytest.mark.parametrize("provenance", DRAFTERS, ids=lambda p: p.parent.name)
+def test_published_drafter_matches_its_record_and_loads_strictly(provenance):
+    folder = provenance.parent
+    record = publish.verify(folder)  # the SHA-256 of the weights
+    assert (folder / publish.WEIGHTS).stat().st_size <= 20 * 2**20
+    drafter, report = load_drafter(folder, strict=True)
+    assert report.ok and report.summary() == record["load_report"]
+    assert record["recipe"]["target"]["spec"] == f"{zoo.ZOO_PREFIX}{zoo.SMOLLM2}"
+    check_compatible(drafter.config, target_vocab_size=SMOLLM2.vocab_size,
+                     target_hidden_size=SMOLLM2.hidden_size, target_num_layers=SMOLLM2.num_hidden_layers)
+    assert (drafter.config.aux_layer_ids or default_aux_layer_ids(30)) == [1, 14, 26]
+    # what was measured when it was made travels with it
+    measured = record["measured"]["drafters"]
+    assert all(m["tau_low"] <= m["tau"] <= m["tau_high"] for m in measured.values())
+    assert record["commit"] and record["command"] and record["training_curve"]
