@@ -175,12 +175,12 @@ def load_target(params: dict, device: torch.device | str) -> Target:
     return Target.load(spec["spec"], dtype=spec["dtype"], device=device, cache_dir=spec["cache_dir"] or None)
 
 
-def ensure_text(params: dict, out: Path, target: Target) -> tuple[Path, dict]:
-    """`out/online_data/` and its manifest: made when missing, else checked against the recipe."""
+def ensure_text(params: dict, out: Path, target: Target) -> dict:
+    """The manifest of `out/online_data/`: made when missing, else checked against the recipe."""
     folder = Path(out) / FOLDER
     if not folder.exists():
         make_text(target, params["data"], params["run"]["seed"], folder)
-    return folder, check_text(folder, target, params["data"], params["run"]["seed"])
+    return check_text(folder, target, params["data"], params["run"]["seed"])
 
 
 def online_training_data(params: dict, out: Path, device: torch.device, main: bool = True,
@@ -190,10 +190,10 @@ def online_training_data(params: dict, out: Path, device: torch.device, main: bo
     it launches torchrun, so that no rank waits on a long self-distillation), and the vocab map
     (`train.vocab_map`, else the text's own)."""
     target = load_target(params, device)
-    if main:
-        ensure_text(params, out, target)
+    manifest = ensure_text(params, out, target) if main else None
     barrier()
-    folder, manifest = ensure_text(params, out, target)
+    folder = Path(out) / FOLDER
+    manifest = manifest or check_text(folder, target, params["data"], params["run"]["seed"])
     train = params["train"]
     map_path = runs.resolve_path(train["vocab_map"]) if train["vocab_map"] else folder / VOCAB_MAP_FILE
     if not os.path.exists(map_path):

@@ -11,8 +11,9 @@ from eagle3lib.capture import prepare_for_run
 from eagle3lib.checkpoint import load_drafter
 from eagle3lib.data import DataError
 from eagle3lib.target import Target
-from eagle3lib.trainer import BatchStream, TrainingError
+from eagle3lib.trainer import TrainingError
 from eagle3lib.vocab import VocabMap
+from tests.test_train import train_interrupted
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -88,19 +89,9 @@ def test_online_gives_the_offline_loss_curve_on_the_same_text(offline_run, onlin
 def test_resume_online_continues_exactly_without_recomputing_skipped_batches(tmp_path, online_run,
                                                                              monkeypatch):
     params = recipe("online", checkpoint_every=3, keep_checkpoints=1)
-    calls = {"next": 0, "forwards": 0}
-    next_batch, forward = BatchStream.next, Target.capture
-
-    def interrupted(self):
-        calls["next"] += 1
-        if calls["next"] == 5:  # after step 4, with the checkpoint of step 3 on disk
-            raise KeyboardInterrupt
-        return next_batch(self)
-
-    monkeypatch.setattr(BatchStream, "next", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        train.train_arms(params, tmp_path / "cut")
-    monkeypatch.setattr(BatchStream, "next", next_batch)
+    train_interrupted(params, tmp_path / "cut", monkeypatch, steps_done=4)  # checkpoint of step 3 on disk
+    calls = {"forwards": 0}
+    forward = Target.capture
 
     def counted(self, *args, **kwargs):
         calls["forwards"] += 1

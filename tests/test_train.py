@@ -275,23 +275,28 @@ def test_drafter_for_another_target_is_refused(tmp_path, data_folder):
         train.init_drafter("drafter", params["train"], synthetic_data(data_folder), seed=0)
 
 
-def test_resume_continues_bit_for_bit(tmp_path, data_folder, monkeypatch):
-    params = tiny_params(data_folder, steps=8, log_every=1, checkpoint_every=3, keep_checkpoints=1)
-    whole = train.train_arms(params, tmp_path / "whole")["scratch"]
-
+def train_interrupted(params: dict, out, monkeypatch, steps_done: int) -> None:
+    """Train `params` into `out` and stop it (KeyboardInterrupt) after `steps_done` optimizer steps."""
     calls = {"n": 0}
     original = BatchStream.next
 
     def interrupted(self):
         calls["n"] += 1
-        if calls["n"] == 6:  # after step 5, with the checkpoint of step 3 on disk
+        if calls["n"] == steps_done + 1:
             raise KeyboardInterrupt
         return original(self)
 
     monkeypatch.setattr(BatchStream, "next", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        train.train_arms(params, tmp_path / "cut")
+        train.train_arms(params, out)
     monkeypatch.setattr(BatchStream, "next", original)
+
+
+def test_resume_continues_bit_for_bit(tmp_path, data_folder, monkeypatch):
+    params = tiny_params(data_folder, steps=8, log_every=1, checkpoint_every=3, keep_checkpoints=1)
+    whole = train.train_arms(params, tmp_path / "whole")["scratch"]
+
+    train_interrupted(params, tmp_path / "cut", monkeypatch, steps_done=5)  # checkpoint of step 3 on disk
     folder = tmp_path / "cut" / "scratch"
     assert [p.name for p in (folder / "checkpoints").iterdir()] == ["step_000003"]
     assert len((folder / "metrics.jsonl").read_text().splitlines()) == 5
