@@ -27,7 +27,7 @@ demo: setup
 	$(VENV)/bin/eagle3 run params/demo.yaml --name demo-$$(date +%Y%m%d-%H%M%S)
 
 # The demo's source drafter: trained from scratch on SmolLM2's own replies to prose prompts, measured by
-# notebook 05, then published with its provenance (about 1.5 hours on 2 cores). publish refuses an existing
+# notebook 05, then published with its provenance (about 2 hours on 2 cores). publish refuses an existing
 # folder: to rebuild the shipped one, remove drafters/smollm2-135m-prose first or pass SOURCE_DRAFTER=...
 SOURCE_RUN := source-drafter-$(shell date +%Y%m%d-%H%M%S)
 SOURCE_DRAFTER ?= drafters/smollm2-135m-prose
