@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from eagle3lib import intervals
 from eagle3lib.config import default_aux_layer_ids
@@ -206,6 +207,49 @@ class PrefillCache:
         self.found: dict = {}
 
 
+class AppendLayer(DynamicLayer):
+    """A KV cache layer that writes new columns into spare room of a buffer instead of concatenating:
+    HF's `DynamicLayer` copies the whole layer cache at every step. `keys` and `values` are views of the
+    buffer's filled columns. Cropping shortens the views, so the next step writes over the columns cropped
+    away and never over columns still in view (a reused prefill keeps such views, see `TargetBatch`); a
+    view replaced from outside (batch selection, compaction) is moved into a new buffer on the next step."""
+
+    room = 256  # spare columns allocated with every new buffer
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.buffers: tuple[Tensor, Tensor] | None = None
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        filled = self.get_seq_length()
+        end = filled + key_states.shape[-2]
+        if not self._appendable(end):
+            self.buffers = tuple(
+                self._new_buffer(old, new, filled, end + self.room)
+                for old, new in ((self.keys, key_states), (self.values, value_states))
+            )
+        for buffer, new in zip(self.buffers, (key_states, value_states), strict=True):
+            buffer[..., filled:end, :] = new
+        self.keys, self.values = (buffer[..., :end, :] for buffer in self.buffers)
+        return self.keys, self.values
+
+    def _appendable(self, end: int) -> bool:
+        """The views are still views of the buffer, and it has room for `end` columns."""
+        if self.buffers is None:
+            return False
+        keys = self.buffers[0]
+        return end <= keys.shape[-2] and self.keys.data_ptr() == keys.data_ptr()
+
+    @staticmethod
+    def _new_buffer(old: Tensor, new: Tensor, filled: int, columns: int) -> Tensor:
+        buffer = new.new_empty(new.shape[0], new.shape[1], columns, new.shape[3])
+        if filled:
+            buffer[..., :filled, :] = old
+        return buffer
+
+
 class TargetBatch:
     """B sequences decoding together in one Hugging Face KV cache.
 
@@ -220,11 +264,16 @@ class TargetBatch:
         self.model, self.aux_layer_ids = model, aux_layer_ids
         self._layers = model.get_decoder().layers
         self.cache = DynamicCache(config=model.config)
+        if all(type(layer) is DynamicLayer for layer in self.cache.layers):  # sliding-window layers stay HF's
+            self.cache.layers = [AppendLayer() for _ in self.cache.layers]
         self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [B, columns]
         self.lengths = torch.zeros(0, dtype=torch.long)  # [B] committed tokens = the next token's position
 
-    def _forward(self, input_ids: Tensor, allowed: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
-        """Logits [B, n, Vt] and aux states [B, n, A*Ht] (None without aux layers) of n new columns.
+    def _forward(
+        self, input_ids: Tensor, allowed: Tensor, positions: Tensor, last_logits_only: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Logits [B, n, Vt] (n = 1 with `last_logits_only`) and aux states [B, n, A*Ht] (None without aux
+        layers) of n new columns.
 
         The aux states are the decoder layers' outputs taken with hooks, as `Target.capture` takes them for
         training data (HF's output_hidden_states puts the final-normed state where the last layer's output
@@ -245,6 +294,7 @@ class TargetBatch:
             logits = self.model(
                 input_ids.to(device), past_key_values=self.cache, use_cache=True,
                 attention_mask=mask[:, None].to(device), position_ids=positions.to(device),
+                logits_to_keep=1 if last_logits_only else 0,
             ).logits
         finally:
             for handle in handles:
@@ -274,7 +324,8 @@ class TargetBatch:
         causal = torch.ones(width, width, dtype=torch.bool).tril()
         # a padding row attends to itself: no row is fully masked, so nothing turns into NaN
         allowed = self.valid[:, None, :] & causal | torch.eye(width, dtype=torch.bool)
-        logits, aux = self._forward(input_ids, allowed, (columns[None] - pad[:, None]).clamp(min=0))
+        # only the last position's logits: all of a prompt's would be [B, W, Vt], over a GB at batch 16
+        logits, aux = self._forward(input_ids, allowed, (columns[None] - pad[:, None]).clamp(min=0), True)
         self.lengths = torch.tensor([len(p) for p in prompts])
         _sync(self.model.device)
         seconds = time.perf_counter() - start
@@ -855,7 +906,7 @@ def probe(
     batches = batches_by_length(prompts, batch_size)
     decoder = SpeculativeDecoder(model, drafter, settings)
     if warmup:  # first calls pay one-time allocation costs that would skew the timings
-        first = [prompts[i] for i in batches[0]]
+        first = [prompts[i][-16:] for i in batches[0]]  # short: a full prefill here costs as much as a batch
         decoder.generate_batch(first, min(4, max_new_tokens))
         if compare_target and baseline is None:
             decode_target_only(model, first, min(4, max_new_tokens))

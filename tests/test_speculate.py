@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.cache_utils import DynamicLayer
 
 from eagle3lib import speculate, zoo
 from eagle3lib.checkpoint import load_drafter, save_drafter
@@ -355,6 +356,35 @@ def test_compacting_a_cache_keeps_what_each_sequence_attends_to():
     compact, (moved,) = speculate.compact_columns(valid, [keys])
     assert compact.tolist() == [[True, True], [True, True]]
     assert moved[:, 0, :, 0].tolist() == [[1.0, 3.0], [4.0, 5.0]]
+
+
+def test_append_layer_holds_what_hf_dynamic_layer_holds():
+    """Appends past the buffer's room, crops, batch selection and a replaced view (as compaction does)
+    leave the in-place cache holding exactly what HF's concatenating one holds."""
+    torch.manual_seed(0)
+    appended, concatenated = speculate.AppendLayer(), DynamicLayer()
+    appended.room = 3  # runs out of room every few steps
+
+    def both(action):
+        for layer in (appended, concatenated):
+            action(layer)
+        assert torch.equal(appended.keys, concatenated.keys)
+        assert torch.equal(appended.values, concatenated.values)
+
+    def append(batch: int, columns: int):
+        new = torch.randn(batch, 2, columns, 8), torch.randn(batch, 2, columns, 8)
+        both(lambda layer: layer.update(*new))
+
+    for columns in [5, 1, 4, 1, 2, 1, 1, 3]:
+        append(4, columns)
+        both(lambda layer: layer.crop(-1))
+    both(lambda layer: layer.batch_select_indices(torch.tensor([0, 2, 3])))
+    append(3, 2)
+    replaced = appended.keys[:, :, [0, 2, 4]].clone(), appended.values[:, :, [0, 2, 4]].clone()
+    for layer in (appended, concatenated):
+        layer.keys, layer.values = (t.clone() for t in replaced)
+    append(3, 1)
+    assert appended.keys.shape == (3, 2, 4, 8)
 
 
 def test_draft_tree_shapes():
