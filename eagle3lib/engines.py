@@ -108,6 +108,7 @@ def markdown_table(results: dict[str, dict]) -> str:
         ("tokens_per_s", "tok/s", "{:.1f}"),
         ("target_tokens_per_s", "target tok/s", "{:.1f}"),
         ("speedup", "speedup", "{:.2f}×"),
+        ("decode_speedup", "in decoding", "{:.2f}×"),
         ("ideal_speedup", "ideal", "{:.2f}×"),
         ("efficiency", "efficiency", "{:.0%}"),
     ]

@@ -13,7 +13,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 from eagle3lib import runs
-from eagle3lib.evaluate import tau_text
+from eagle3lib.evaluate import speedup_text, tau_text
 
 
 def _fmt(value) -> str:
@@ -64,15 +64,15 @@ def key_numbers(metrics: dict) -> list[str]:
         best = evaluate.get("best_setting", {})
         calibration = evaluate.get("calibration", {})
         setting = f"{evaluate['backend']}, K {evaluate['steps']}, {evaluate.get('prompts', '?')} prompts"
-        lines += ["", f"| drafter ({setting}) | τ [95 % interval] | speedup | fastest setting (τ, speedup) "
-                  "| predicted τ |",
+        lines += ["", f"| drafter ({setting}) | τ [95 % interval] | speedup (in decoding) "
+                  "| fastest setting: τ, speedup (in decoding) | predicted τ |",
                   "|---|---|---|---|---|"]
         for name, d in evaluate["drafters"].items():
-            fastest = (f"{best[name]['setting']} ({best[name]['tau']:.2f}, {best[name]['speedup']:.2f}x)"
+            fastest = (f"{best[name]['setting']}: {best[name]['tau']:.2f}, {speedup_text(best[name])}"
                        if name in best else "–")
             row = calibration.get(name)
             predicted = f"{row['predicted_tau']:.2f} ({row['relative_error']:+.0%})" if row else "–"
-            speedup = f"{d['speedup']:.2f}x" if "speedup" in d else "–"
+            speedup = speedup_text(d) if "speedup" in d else "–"
             lines.append(f"| {name} | {tau_text(d)} | {speedup} | {fastest} | {predicted} |")
         if evaluate.get("comparisons"):
             lines += ["", "Paired comparisons on the same prompts (95 % bootstrap intervals):", ""]

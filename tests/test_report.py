@@ -30,11 +30,12 @@ def test_summary_holds_metrics_findings_figures_and_times(tmp_path):
     arm = {"initial_loss": 3.5, "initial_acc_0": 0.4, "final_loss": 2.0, "final_acc_0": 0.6,
            "predicted_tau": 1.9, "check_passed": True}
     run.write_metrics("04_finetune", {"arms": {"drafter": arm}})
-    remapped = {"tau": 2.25, "tau_low": 2.1, "tau_high": 2.4, "speedup": 1.4}
+    remapped = {"tau": 2.25, "tau_low": 2.1, "tau_high": 2.4, "speedup": 1.4, "decode_speedup": 1.8}
     run.write_metrics("05_evaluate", {
         "backend": "builtin", "steps": 3, "prompts": 16,
         "drafters": {"fine-tuned with remap": remapped, "trained from scratch": {"tau": 1.5, "speedup": 0.9}},
-        "best_setting": {"fine-tuned with remap": {"setting": "chain K=2", "tau": 2.0, "speedup": 1.5}},
+        "best_setting": {"fine-tuned with remap": {"setting": "chain K=2", "tau": 2.0, "speedup": 1.5,
+                                                   "decode_speedup": 1.9}},
         "calibration": {"fine-tuned with remap": {"predicted_tau": 2.5, "relative_error": 0.111}},
         "comparisons": ["fine-tuned with remap > trained from scratch (τ difference +0.75, ...)"],
     })
@@ -46,7 +47,8 @@ def test_summary_holds_metrics_findings_figures_and_times(tmp_path):
     text = report.write_summary(tmp_path).read_text()
     assert "22 of 2,048 draft positions agree (first divergence at 5)" in text
     assert "| drafter | 3.500 | 0.400 | passed | 2.000 | 0.600 | 1.900 |" in text
-    row = "| fine-tuned with remap | 2.25 [2.10, 2.40] | 1.40x | chain K=2 (2.00, 1.50x) | 2.50 (+11%) |"
+    row = ("| fine-tuned with remap | 2.25 [2.10, 2.40] | 1.40x (1.80x in decoding) "
+           "| chain K=2: 2.00, 1.50x (1.90x in decoding) | 2.50 (+11%) |")
     assert row in text
     assert "| trained from scratch | 1.50 | 0.90x | – | – |" in text
     assert "- fine-tuned with remap > trained from scratch (τ difference +0.75, ...)" in text

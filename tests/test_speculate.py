@@ -545,6 +545,18 @@ def test_probe_reports_speed_and_ideal_speedup():
     assert metrics["tokens"] == 20
 
 
+def test_speedups_end_to_end_and_in_decoding():
+    """The prefill (and the first token it yields) counts in `speedup`, not in `decode_speedup`."""
+    tokens = [speculate.Generation(tokens=list(range(10)), accepted=[]) for _ in range(2)]
+    spec = speculate.BatchOutput(tokens, {"prefill": 5.0, "draft": 1.0, "verify": 3.0, "total": 9.0}, 4)
+    target = speculate.BatchOutput(tokens, {"prefill": 5.0, "decode": 8.0, "total": 13.0}, 9)
+    metrics = speculate.speed_metrics([spec], [target], tau=2.0)
+    assert metrics["speedup"] == pytest.approx(13.0 / 9.0)
+    assert metrics["decode_tokens_per_s"] == 18 / 4.0 and metrics["target_decode_tokens_per_s"] == 18 / 8.0
+    assert metrics["decode_speedup"] == 2.0
+    assert metrics["ideal_speedup"] == pytest.approx(2.0 * (8.0 / 9) / (4.0 / 4))
+
+
 # ---------------------------------------------------------------- the smoke fixture
 
 
