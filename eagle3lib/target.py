@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from eagle3lib import zoo
 from eagle3lib.config import default_aux_layer_ids
@@ -65,6 +66,8 @@ def sdpa_shared_kv_attention(module, query, key, value, attention_mask, dropout=
 
 
 AttentionInterface.register("sdpa_shared_kv", sdpa_shared_kv_attention)
+# HF builds no mask at all for an attention it has no mask function for: padding would be attended to
+AttentionMaskInterface.register("sdpa_shared_kv", sdpa_mask)
 
 
 class TargetError(ValueError):

@@ -131,20 +131,28 @@ def test_loading_a_missing_folder_names_it(tmp_path):
 
 def test_shared_kv_attention_is_hf_sdpa_bit_for_bit(target):
     """The attention `Target.load` installs computes exactly what HF's SDPA does, with a 4D mask (the batched
-    engine's) and without one, while not copying the KV heads."""
+    engine's), a 2D padding mask (HF's `generate` on a left-padded batch) and none, while not copying the KV
+    heads."""
     ids = torch.randint(0, 97, (3, 9), generator=torch.Generator().manual_seed(2))
     allowed = torch.ones(9, 9, dtype=torch.bool).tril()[None].repeat(3, 1, 1)
     allowed[1, :, :4] = False  # left padding of row 1 ...
     allowed[1, torch.arange(4), torch.arange(4)] = True  # ... whose rows attend to themselves only
     mask = torch.zeros(3, 1, 9, 9).masked_fill_(~allowed[:, None], torch.finfo(torch.float32).min)
+    padding = torch.ones(3, 9, dtype=torch.long)
+    padding[1, :4] = 0
     model = target.model
-    with torch.no_grad():
-        plain = [model(ids).logits, model(ids, attention_mask=mask).logits]
-        model.set_attn_implementation("sdpa_shared_kv")
-        try:
-            shared = [model(ids).logits, model(ids, attention_mask=mask).logits]
-        finally:
-            model.set_attn_implementation("sdpa")
+
+    def forwards() -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [model(ids).logits, model(ids, attention_mask=mask).logits,
+                    model(ids, attention_mask=padding).logits[padding.bool()]]
+
+    plain = forwards()
+    model.set_attn_implementation("sdpa_shared_kv")
+    try:
+        shared = forwards()
+    finally:
+        model.set_attn_implementation("sdpa")
     assert model.config.num_key_value_heads < model.config.num_attention_heads
     for a, b in zip(plain, shared, strict=True):
         assert torch.equal(a, b)
