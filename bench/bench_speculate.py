@@ -1,4 +1,4 @@
-"""Speculative decoding on SmolLM2-135M-Instruct with chain drafting: τ, tokens/s, speedup, efficiency.
+"""Speculative decoding on SmolLM2-135M-Instruct with chain drafting: τ, tokens/s, speedups, efficiency.
 
     .venv/bin/python bench/bench_speculate.py --drafter drafters/smollm2-135m-prose --corpus pydoc-prose
     .venv/bin/python bench/bench_speculate.py --steps 1,3 --batch-sizes 1,4,8,16 --prompts 16   # batching
@@ -6,8 +6,9 @@
 
 For each batch size (prompts decoded together; the target-only baseline decodes the same batches) and each
 draft depth K: τ, the acceptance at each draft position, tokens/s with and without the drafter on
-the same held-out prompts, the measured speedup, the ideal speedup that τ and the measured draft/verify
-costs allow, and efficiency = measured / ideal (what prefill and bookkeeping leave). Greedy decoding must
+the same held-out prompts, the measured speedup (end to end, and in decoding alone), the ideal speedup
+that τ and the measured draft/verify costs allow, and efficiency = measured / ideal (what prefill and
+bookkeeping leave). Greedy decoding must
 give the target's own output (`same`: prompts whose speculative output equals the target-only output; in
 bfloat16 a near tie can flip between a one-token and a K+1-token forward pass). Without --drafter the
 shipped source drafter (drafters/smollm2-135m-prose) is used. Numbers, never asserts.
@@ -56,8 +57,8 @@ def main() -> None:
           f"{args.max_new_tokens} new tokens each, greedy {'chain' if args.topk == 1 else 'tree'} drafting "
           f"(loaded in {time.perf_counter() - start:.1f} s)\n")
     header = (f"{'batch':>5} {'K':>2} {'τ':>5}  {'accept by position':<26} {'tok/s':>6} {'target':>7} "
-              f"{'speedup':>8} {'decoding':>8} {'ideal':>6} {'effic.':>6} {'draft ms':>9} {'verify ms':>9} {'target ms':>9} "
-              f"{'same':>5} {'vs batch 1':>10}")
+              f"{'speedup':>8} {'decoding':>8} {'ideal':>6} {'effic.':>6} {'draft ms':>9} {'verify ms':>9} "
+              f"{'target ms':>9} {'same':>5} {'vs batch 1':>10}")
     print(header)
     print("-" * len(header))
     drafter, _ = load_drafter(drafter_path, dtype=target.dtype)
