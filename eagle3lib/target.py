@@ -87,8 +87,9 @@ class Capture:
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """`auto`: bfloat16 on GPUs and on CPUs with bfloat16 instructions, float32 elsewhere.
 
-    On this project's 2-core AVX512-BF16 CPU, bench/bench_capture.py measured SmolLM2-135M at several
-    times the float32 throughput in bfloat16; CPUs without bf16 instructions emulate it slowly.
+    On a 2-core AVX512-BF16 CPU, bench/bench_capture.py measured SmolLM2-135M at several times the float32
+    throughput in bfloat16; CPUs without bf16 instructions emulate it slowly (a 2-core AMD EPYC generated
+    greedy replies 4x slower in bfloat16 than in float32, bench/RESULTS.md §6).
     """
     if isinstance(dtype, torch.dtype):
         return dtype
