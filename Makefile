@@ -91,6 +91,7 @@ bench: setup bench-venv
 	$(PY) bench/bench_train.py
 	$(PY) bench/bench_capture.py
 	$(PY) bench/bench_speculate.py
+	$(PY) bench/bench_small_products.py
 	$(BENCH_VENV)/bin/python bench/bench_vs_speculators.py
 
 # GPU host: is the CUDA path right, and how fast is it. The CUDA cases of the model tests, then a
