@@ -66,7 +66,7 @@ DEFAULTS: dict[str, Any] = {
     },
     "target": {  # the target model (00_prepare_data and every step that runs it), eagle3lib.target
         "spec": "zoo:smollm2-135m-instruct",  # a local HF folder, a cached HF model id, or zoo:<name>
-        "dtype": "auto",  # auto (bf16 on GPUs and bf16-capable CPUs, else float32) | float32 | bfloat16
+        "dtype": "auto",  # auto (bf16 on GPUs and CPUs with bf16 units, else float32) | float32 | bfloat16
         "aux_layer_ids": [],  # eagle3lib numbering (id i = output of decoder layer i); [] = [1, N//2-1, N-4]
         "cache_dir": "",  # converted zoo models; "" = $EAGLE3LIB_CACHE or ~/.cache/eagle3lib/zoo
     },
@@ -123,7 +123,7 @@ DEFAULTS: dict[str, Any] = {
         "warmup_steps": 20,
         "min_lr_ratio": 0.1,  # cosine decay ends at lr x min_lr_ratio
         "max_grad_norm": 0.5,  # 0 = no clipping
-        "dtype": "auto",  # auto (bf16 autocast on GPUs that have it, fp32 on CPU) | fp32 | bf16
+        "dtype": "auto",  # auto (bf16 autocast on GPUs and CPUs with AMX, else fp32) | fp32 | bf16
         "nproc": 1,  # > 1: data-parallel under torchrun (gloo on CPU, nccl on GPU)
         "log_every": 10,  # steps between metrics.jsonl entries
         "checkpoint_every": 100,  # 0 = only the final drafter

@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from eagle3lib import zoo
 from eagle3lib.config import default_aux_layer_ids
+from eagle3lib.devices import fast_bf16, resolve_device
 from eagle3lib.progress import quiet_hf_loading
 
 # Config keys that change what the model computes; other keys (paths, versions, dtype) do not.
@@ -85,35 +85,14 @@ class Capture:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """`auto`: bfloat16 on GPUs and on CPUs with bfloat16 instructions, float32 elsewhere.
-
-    On a 2-core AVX512-BF16 CPU, bench/bench_capture.py measured SmolLM2-135M at several times the float32
-    throughput in bfloat16; CPUs without bf16 instructions emulate it slowly (a 2-core AMD EPYC generated
-    greedy replies 4x slower in bfloat16 than in float32, bench/RESULTS.md §6).
-    """
+    """`auto`: bfloat16 where the device has bf16 matrix units (`devices.fast_bf16`), float32 elsewhere."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" or _cpu_has_bf16() else torch.float32
+        return torch.bfloat16 if fast_bf16(device) else torch.float32
     if dtype not in ("float32", "bfloat16", "float16"):
         raise TargetError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     return getattr(torch, dtype)
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: do not guess
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    if isinstance(device, torch.device):
-        return device
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 class Target:

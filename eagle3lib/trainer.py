@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from eagle3lib import runs
 from eagle3lib.checkpoint import load_drafter, save_drafter
 from eagle3lib.data import TrainingData
+from eagle3lib.devices import fast_bf16, resolve_device
 from eagle3lib.loss import (
     StepSums,
     Targets,
@@ -40,7 +41,6 @@ from eagle3lib.loss import (
 )
 from eagle3lib.model import Eagle3Drafter
 from eagle3lib.progress import progress as progress_bar
-from eagle3lib.target import resolve_device
 
 STATE_FILE = "training_state.pt"
 # train params that do not change what is computed: a resumed run may set them differently
@@ -241,7 +241,7 @@ class Trainer:
         )
         self.stream = BatchStream(data.reader, train["batch_size"], train["seq_len"], seed, procs)
         self.step = 0
-        self.autocast_dtype = _autocast_dtype(train["dtype"], device)
+        self.autocast_dtype = autocast_dtype(train["dtype"], device)
 
     def to_device(self, batch: dict) -> dict:
         return {key: value.to(self.procs.device, non_blocking=True) for key, value in batch.items()}
@@ -430,16 +430,11 @@ class Trainer:
         self.log(f"resumed from {path} at step {self.step}")
 
 
-def _autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast where the hardware does it well (`auto`: CUDA with bf16), else plain float32.
-
-    `auto` never picks bf16 on a CPU, even one with bf16 instructions: bench/bench_train.py measured bf16
-    autocast *training* about 10x slower than float32 on the project's CPU (16 vs 166 tokens/s; the
-    backward's casts and bf16 reductions have no fast CPU kernels), while bf16 *inference* is fast there."""
+def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast when asked for, or with `auto` where the device trains fast in it (`devices.fast_bf16`:
+    CUDA, CPUs with AMX), else plain float32."""
     if dtype == "fp32":
         return None
-    if dtype == "bf16":
-        return torch.bfloat16
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+    if dtype == "bf16" or fast_bf16(device, training=True):
         return torch.bfloat16
     return None

@@ -1,7 +1,8 @@
 """Fail, naming each file, when a tracked notebook is not committed stripped and well-formed.
 
-Rules: no outputs, no execution counts, kernelspec `python3`, exactly one cell tagged
-`parameters` whose statements assign plain literals only.
+Rules: committed exactly as nbstripout writes it (so a fresh clone with the filter installed shows no
+change, and a run records a clean commit), kernelspec `python3`, exactly one cell tagged `parameters` whose
+statements assign plain literals only.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ def staged_text(name: str) -> str:
     return _git("show", f":{name}")
 
 
+def stripped(text: str) -> str:
+    """The notebook as nbstripout's clean filter writes it (what `git add` stores once `make setup` ran)."""
+    done = subprocess.run([sys.executable, "-m", "nbstripout"], input=text, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"nbstripout failed: {done.stderr.strip()}")
+    return done.stdout
+
+
 def problems(name: str, text: str) -> list[str]:
     """Everything wrong with one notebook's JSON text, as messages naming the file and cell."""
     try:
@@ -48,6 +57,9 @@ def problems(name: str, text: str) -> list[str]:
             found.append(f"{name}: cell {index} has execution_count {cell['execution_count']}")
         if "parameters" in cell.get("metadata", {}).get("tags", []):
             parameter_cells.append((index, "".join(cell["source"])))
+    if not found and stripped(text) != text:
+        found.append(f"{name}: not in nbstripout's form (cell ids, metadata or layout differ); "
+                     "run `make setup`, then `git add` the notebook again")
     if len(parameter_cells) != 1:
         found.append(f"{name}: expected one cell tagged 'parameters', found {len(parameter_cells)}")
     for index, source in parameter_cells:

@@ -23,15 +23,16 @@ STEPS = 6
 def recipe(mode: str, **train_overrides) -> dict:
     """zoo:tiny-llama (float32) on raw stdlib code: 2,000 tokens in shards of 300, so that the shuffled
     reading order spans several shards and windows cut samples of 96 tokens. The draft vocab is the whole
-    vocabulary: the random target's predictions are tokens the text rarely holds."""
+    vocabulary: the random target's predictions are tokens the text rarely holds. Training in float32, whose
+    products MKL's reproducibility mode makes bit-exact (bf16 autocast, `auto` on AMX CPUs, is not)."""
     settings = {
         "run": {"device": "cpu"},
         "target": {"spec": "zoo:tiny-llama", "dtype": "float32"},
         "data": {"corpus": "stdlib-code", "num_tokens": 2000, "text": "raw", "seq_len": 96, "batch_size": 4,
                  "dtype": "float32", "shard_tokens": 300, "draft_vocab_size": 49152},
-        "train": {"data_mode": mode, "steps": STEPS, "batch_size": 4, "micro_batch_size": 2, "seq_len": 64,
-                  "ttt_steps": 3, "lr": 3e-3, "warmup_steps": 2, "log_every": 1, "checkpoint_every": 0,
-                  "check_batches": 2,
+        "train": {"data_mode": mode, "dtype": "fp32", "steps": STEPS, "batch_size": 4, "micro_batch_size": 2,
+                  "seq_len": 64, "ttt_steps": 3, "lr": 3e-3, "warmup_steps": 2, "log_every": 1,
+                  "checkpoint_every": 0, "check_batches": 2,
                   "scratch": {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                               "intermediate_size": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                               "max_position_embeddings": 256}},

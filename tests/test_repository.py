@@ -42,12 +42,13 @@ def test_committed_notebooks_are_stripped_and_parameterised():
     assert not found, "\n".join(found)
 
 
-def _notebook(outputs=None, count=None, params_source='params_file = "params/smoke.yaml"'):
-    return json.dumps({
-        "metadata": {"kernelspec": {"name": "python3"}},
-        "cells": [{"cell_type": "code", "metadata": {"tags": ["parameters"]}, "source": params_source,
-                   "outputs": outputs or [], "execution_count": count}],
+def _notebook(outputs=None, count=None, params_source='params_file = "params/smoke.yaml"', cell_id="0"):
+    text = json.dumps({
+        "metadata": {"kernelspec": {"name": "python3"}}, "nbformat": 4, "nbformat_minor": 5,
+        "cells": [{"cell_type": "code", "id": cell_id, "metadata": {"tags": ["parameters"]},
+                   "source": params_source, "outputs": outputs or [], "execution_count": count}],
     })
+    return text if outputs or count or cell_id != "0" else check_notebooks.stripped(text)
 
 
 def test_check_catches_outputs_and_names_the_file():
@@ -56,6 +57,13 @@ def test_check_catches_outputs_and_names_the_file():
     assert any("notebooks/07_x.ipynb: cell 0 has outputs" in p for p in found)
     assert any("execution_count 3" in p for p in found)
     assert check_notebooks.problems("n.ipynb", _notebook()) == []
+
+
+def test_check_wants_nbstripouts_own_form():
+    # random cell ids (as JupyterLab writes them) are rewritten by the filter: git would show the file changed
+    found = check_notebooks.problems("notebooks/02_x.ipynb", _notebook(cell_id="2b5d14e5"))
+    assert found == ["notebooks/02_x.ipynb: not in nbstripout's form (cell ids, metadata or layout differ); "
+                     "run `make setup`, then `git add` the notebook again"]
 
 
 @pytest.mark.parametrize("source", ["import os", "x = os.getcwd()", "x = [i for i in range(3)]"])

@@ -6,7 +6,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from eagle3lib import devices
 from eagle3lib.target import Target, TargetError, resolve_dtype
+from eagle3lib.trainer import autocast_dtype
 
 N_LAYERS = 8
 
@@ -115,10 +117,24 @@ def test_fingerprint_ignores_load_dtype_but_not_weights(target):
     assert changed.fingerprint != target.fingerprint
 
 
-def test_dtype_choice():
+@pytest.mark.parametrize("flags, inference, training", [
+    ("fpu sse avx2 avx512f", torch.float32, None),  # an AMD EPYC without bf16 units
+    ("fpu avx512f avx512_bf16", torch.bfloat16, None),  # bf16 dot products: fast inference only
+    ("fpu avx512f avx512_bf16 amx_bf16 amx_tile", torch.bfloat16, torch.bfloat16),  # an Intel Xeon with AMX
+])
+def test_auto_dtype_follows_the_cpus_bf16_units(monkeypatch, flags, inference, training):
+    monkeypatch.setattr(devices, "_cpuinfo", lambda: f"model name\t: Some CPU\nflags\t\t: {flags}\n")
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu) == inference
+    assert autocast_dtype("auto", cpu) == training
+    assert resolve_dtype("float32", cpu) == torch.float32 and autocast_dtype("fp32", cpu) is None
+    assert devices.cpu_model() == "Some CPU"
+
+
+def test_dtype_choice(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_dtype("auto", cuda) == torch.bfloat16
-    assert resolve_dtype("auto", cpu) in (torch.bfloat16, torch.float32)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert resolve_dtype("auto", cuda) == torch.bfloat16 and autocast_dtype("auto", cuda) == torch.bfloat16
     assert resolve_dtype("float32", cuda) == torch.float32
     with pytest.raises(TargetError, match="int8"):
         resolve_dtype("int8", cpu)

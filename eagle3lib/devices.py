@@ -1,0 +1,68 @@
+"""Where the work runs: the device, the machine's CPU, and the dtype `auto` means on it.
+
+`auto` picks bfloat16 where the hardware computes it natively and float32 elsewhere, detected from the
+CPU's flags, never assumed from one machine (bench/RESULTS.md names the machine of every figure):
+- inference (a target decoding, capturing, probing): CUDA GPUs with bf16, CPUs with AMX-BF16 or
+  AVX512-BF16 units. Measured: several times float32's capture throughput on an AVX512-BF16 CPU, faster
+  decoding on an Intel Xeon with AMX; 4x slower generation on an AMD EPYC without bf16 units.
+- training (bf16 autocast, whose backward also reduces in bf16): CUDA, or CPUs with AMX. Measured: 1.5x
+  float32's tokens/s on the AMX Xeon, 10x slower on CPUs without AMX.
+"""
+
+from __future__ import annotations
+
+import platform
+from functools import cache
+from pathlib import Path
+
+import torch
+
+# /proc/cpuinfo flags of bf16 units: Intel AMX tiles, and AVX-512's bf16 dot products
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+BF16_TRAINING_CPU_FLAGS = ("amx_bf16",)
+
+
+@cache
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: nothing to read, nothing assumed
+        return ""
+
+
+def cpu_flags() -> set[str]:
+    for line in _cpuinfo().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the OS reports it, e.g. 'Intel(R) Xeon(R) Processor' (named beside figures)."""
+    for line in _cpuinfo().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def machine_description() -> str:
+    """'Intel(R) Xeon(R) Processor, 2 cores, bf16 units: amx_bf16, avx512_bf16 (torch AVX512)'."""
+    units = [flag for flag in BF16_CPU_FLAGS if flag in cpu_flags()]
+    return (f"{cpu_model()}, {torch.get_num_threads()} threads, bf16 units: {', '.join(units) or 'none'} "
+            f"(torch {torch.backends.cpu.get_cpu_capability()})")
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def fast_bf16(device: torch.device, training: bool = False) -> bool:
+    """Is bf16 the fast dtype on this device, for inference or for training (what `auto` asks)?"""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    flags = BF16_TRAINING_CPU_FLAGS if training else BF16_CPU_FLAGS
+    return device.type == "cpu" and any(flag in cpu_flags() for flag in flags)
