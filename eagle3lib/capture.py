@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from eagle3lib import zoo
+from eagle3lib.conversations import ChatRenderer, ReadStats
 from eagle3lib.data import (
     AUX_CONVENTION,
     FORMAT,
@@ -31,9 +33,22 @@ from eagle3lib.data import (
     prepared_dir,
 )
 from eagle3lib.progress import progress as progress_bar
+from eagle3lib.regenerate import make_engine, regenerate, settings_from_data, source_description
 from eagle3lib.runs import shareable, shareable_tree
-from eagle3lib.sources import Sample, raw_samples, self_distilled_samples
+from eagle3lib.sources import (
+    Sample,
+    check_text_kind,
+    conversation_samples,
+    conversation_source,
+    raw_samples,
+    self_distilled_samples,
+    split_conversations,
+)
 from eagle3lib.vocab import VocabMap
+
+# <run>/regenerated/<which>/: the target's replies 00_prepare_data wrote (data.text: regenerate)
+REGENERATED_DIR = "regenerated"
+REGENERATED_FILE = "regenerated.jsonl"
 
 
 def parse_dtype(name: str, where: str) -> torch.dtype:
@@ -269,100 +284,95 @@ def _take_tokens(samples: Iterator[Sample], tokens: int, max_samples: int) -> li
     return taken
 
 
-def prepare(
-    target,
-    corpus: str,
-    path: str | os.PathLike,
-    *,
-    num_tokens: int,
-    text: str = "raw",
-    seq_len: int = 512,
-    max_new_tokens: int = 128,
-    prompt_chars: int = 600,
-    aux_layer_ids: list[int] | None = None,
-    batch_size: int = 8,
-    dtype: str = "bfloat16",
-    shard_tokens: int = 65536,
-    heldout_fraction: float = 0.1,
-    seed: int = 0,
-) -> Path:
-    """Training text of one corpus (raw or self-distilled) through the target into a data folder."""
-    samples, provenance = training_text(target, corpus, text=text, seq_len=seq_len,
-                                        max_new_tokens=max_new_tokens, prompt_chars=prompt_chars,
-                                        batch_size=batch_size, heldout_fraction=heldout_fraction, seed=seed)
+def prepare(target, data: dict, path: str | os.PathLike, *, aux_layer_ids: list[int] | None = None,
+            seed: int = 0, corpus: str | None = None, work_dir: str | os.PathLike | None = None) -> Path:
+    """Training text (`data`: the recipe's data section; `corpus` overrides data.corpus) through the target
+    into a data folder. A regeneration is written to `work_dir` (default: beside `path`)."""
+    data = {**data, "corpus": corpus or data["corpus"]}
+    samples, provenance = training_text(target, data, seed, Path(work_dir or Path(path).parent))
     return capture_to_folder(
         target,
         samples,
         path,
-        num_tokens=num_tokens,
+        num_tokens=data["num_tokens"],
         aux_layer_ids=aux_layer_ids,
-        batch_size=batch_size,
-        dtype=parse_dtype(dtype, "data.dtype"),
-        shard_tokens=shard_tokens,
+        batch_size=data["batch_size"],
+        dtype=parse_dtype(data["dtype"], "data.dtype"),
+        shard_tokens=data["shard_tokens"],
         provenance=provenance,
     )
 
 
-def training_text(
-    target, corpus: str, *, text: str, seq_len: int, max_new_tokens: int, prompt_chars: int, batch_size: int,
-    heldout_fraction: float, seed: int,
-) -> tuple[Iterator[Sample], dict]:
-    """The training samples of one corpus (raw or self-distilled), and their provenance."""
+def training_text(target, data: dict, seed: int, work_dir: Path) -> tuple[Iterator[Sample], dict]:
+    """The training samples the `data` section describes (see `eagle3lib.sources`), and their provenance.
+
+    For conversations the provenance holds `conversations` (read, skipped by reason, turns dropped) and `cut`
+    (what seq_len cut): counters filled as the samples are read, so a manifest written after the capture
+    holds the final counts. `regenerate` first writes the target's replies to `work_dir/regenerated.jsonl`
+    (resumable), then reads them."""
+    corpus, text, seq_len = data["corpus"], data["text"], data["seq_len"]
+    check_text_kind(corpus, text)
+    provenance = {"corpus": corpus, "split": "train", "heldout_fraction": data["heldout_fraction"],
+                  "seed": seed, "text": text, "seq_len": seq_len}
     if text == "raw":
-        samples = raw_samples(target.tokenizer, corpus, seq_len, heldout_fraction, seed)
-    elif text == "self-distill":
-        samples = self_distilled_samples(
-            target, corpus, seq_len, max_new_tokens, prompt_chars, batch_size, heldout_fraction, seed
-        )
-    else:
-        raise DataError(f"data.text must be raw or self-distill, got {text!r}")
-    provenance = {
-        **zoo.corpus_description(corpus),
-        "split": "train",
-        "heldout_fraction": heldout_fraction,
-        "seed": seed,
-        "text": text,
-        "seq_len": seq_len,
-    }
+        provenance |= zoo.corpus_description(corpus)
+        return raw_samples(target.tokenizer, corpus, seq_len, data["heldout_fraction"], seed), provenance
     if text == "self-distill":
-        provenance.update(max_new_tokens=max_new_tokens, prompt_chars=prompt_chars, decoding="greedy")
-    return samples, provenance
+        provenance |= zoo.corpus_description(corpus) | {
+            "max_new_tokens": data["max_new_tokens"], "prompt_chars": data["prompt_chars"],
+            "decoding": "greedy"}
+        samples = self_distilled_samples(target, corpus, seq_len, data["max_new_tokens"],
+                                         data["prompt_chars"], data["batch_size"], data["heldout_fraction"],
+                                         seed)
+        return samples, provenance
+    renderer = ChatRenderer(target.tokenizer, target.stop_token_ids, data["loss_turns"])
+    stats, cut = ReadStats(), Counter()
+    conversations = split_conversations(corpus, "train", data["heldout_fraction"], stats)
+    if text == "regenerate":
+        path = regenerate_for_training(target, data, seed, conversations, renderer, work_dir)
+        provenance["regenerated"] = str(path)
+        conversations = split_conversations(str(path), "train", data["heldout_fraction"], ReadStats())
+    provenance |= {"loss_turns": data["loss_turns"], "conversations": stats.__dict__, "cut": cut}
+    return conversation_samples(renderer, conversations, seq_len, cut), provenance
+
+
+def regenerate_for_training(target, data: dict, seed: int, conversations, renderer, work_dir: Path) -> Path:
+    """The target's replies to the training conversations, until they hold what the capture asks for, in
+    `work_dir/regenerated.jsonl` (continued if an earlier run was interrupted, reused once complete)."""
+    out = Path(work_dir) / REGENERATED_FILE
+    settings = settings_from_data(data, seed)
+    path, _ = conversation_source(data["corpus"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with make_engine(settings, target, renderer, out.parent) as engine:
+        regenerate(conversations, out, engine, renderer, settings,
+                   source=source_description(path, data["corpus"]), target=target.describe(),
+                   enough_tokens=data["num_tokens"] + data["seq_len"], seq_len=data["seq_len"],
+                   command="data.text: regenerate")
+    return out
 
 
 def corpora_to_prepare(params: dict) -> dict[str, str]:
-    """{which: corpus} for 00_prepare_data: `main` always, `source` when data.source_corpus is set."""
+    """{which: corpus} for 00_prepare_data: `main` always, `source` when data.source_corpus is set; each
+    checked against data.text before any work."""
     found = {"main": params["data"]["corpus"]}
     if params["data"]["source_corpus"]:
         found["source"] = params["data"]["source_corpus"]
     for corpus in found.values():
-        if corpus not in zoo.CORPORA:
-            raise DataError(f"unknown corpus {corpus!r} in data params; known: {', '.join(zoo.CORPORA)}")
+        check_text_kind(corpus, params["data"]["text"])
     return found
 
 
 def prepare_for_run(target, params: dict, which: str, run_dir: str | os.PathLike) -> dict:
     """00_prepare_data for one corpus: capture its data folder, build its vocab map from the counts, and
     return the numbers the notebook reports."""
+    """00_prepare_data for one corpus: capture its data folder, build its vocab map from the counts, and
+    return the numbers the notebook reports (with what was read, skipped and cut for conversations)."""
     corpus = corpora_to_prepare(params)[which]
     settings = params["data"]
     folder = prepared_dir(run_dir, which)
     start = time.perf_counter()
-    prepare(
-        target,
-        corpus,
-        folder,
-        num_tokens=settings["num_tokens"],
-        text=settings["text"],
-        seq_len=settings["seq_len"],
-        max_new_tokens=settings["max_new_tokens"],
-        prompt_chars=settings["prompt_chars"],
-        aux_layer_ids=params["target"]["aux_layer_ids"] or None,
-        batch_size=settings["batch_size"],
-        dtype=settings["dtype"],
-        shard_tokens=settings["shard_tokens"],
-        heldout_fraction=settings["heldout_fraction"],
-        seed=params["run"]["seed"],
-    )
+    prepare(target, settings, folder, aux_layer_ids=params["target"]["aux_layer_ids"] or None,
+            seed=params["run"]["seed"], corpus=corpus, work_dir=Path(run_dir) / REGENERATED_DIR / which)
     seconds = time.perf_counter() - start
     reader = DataReader(folder, target)
     counts, argmax_counts = load_token_counts(folder)
@@ -387,4 +397,6 @@ def prepare_for_run(target, params: dict, which: str, run_dir: str | os.PathLike
         "aux_layer_ids": manifest["aux_layer_ids"],
         "target": manifest["target"]["name"],
         "fingerprint": manifest["target"]["fingerprint"],
+        **{key: manifest["provenance"][key] for key in ("conversations", "cut", "regenerated")
+           if key in manifest["provenance"]},
     }

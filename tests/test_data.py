@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3lib import capture, sources, zoo
+from eagle3lib import capture, runs, sources, zoo
 from eagle3lib.capture import DataWriter
 from eagle3lib.data import DataError, DataReader
 from eagle3lib.target import Target
@@ -245,16 +245,9 @@ def tiny() -> Target:
 
 
 def test_prepare_raw_text_matches_a_fresh_capture(tiny, tmp_path):
-    path = capture.prepare(
-        tiny,
-        "stdlib-code",
-        tmp_path / "code",
-        num_tokens=300,
-        seq_len=64,
-        batch_size=3,
-        dtype="float32",
-        shard_tokens=128,
-    )
+    data = {**runs.DEFAULTS["data"], "corpus": "stdlib-code", "num_tokens": 300, "seq_len": 64, "batch_size": 3,
+            "dtype": "float32", "shard_tokens": 128}
+    path = capture.prepare(tiny, data, tmp_path / "code")
     reader = DataReader(path, tiny)
     assert reader.manifest["num_tokens"] >= 300 and len(reader.manifest["shards"]) >= 2
     assert reader.manifest["provenance"]["corpus"] == "stdlib-code"

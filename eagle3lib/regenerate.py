@@ -1,0 +1,431 @@
+"""The target's own replies: every assistant turn of a conversation dataset replaced by what the target says,
+turn by turn on the regenerated history (SpecForge's and speculators' practice), through one of three
+engines:
+- `builtin`: the target loaded here, batched greedy or sampled decoding (`speculate.decode_target_only`);
+- `vllm`: vLLM in its own venv (`make vllm-setup`), one long-lived process fed batches of token ids;
+- `server`: a running SGLang or vLLM server's OpenAI-compatible `/v1/chat/completions` (a GPU host).
+
+The output is a conversation file, one record a line, `{"id", "conversations": [{"role", "content"}, ...]}`:
+role/content messages under SpecForge's key, which SpecForge 0.2 and speculators 0.9 both read unchanged
+(README, "Conversation data"). It is written as it goes to `<out>.partial` and resumable: a rerun with the
+same source, target and settings continues with the next unanswered conversation and leaves the written
+ones untouched; only a finished file gets its final name (gzipped when that ends in `.gz`). The manifest
+beside it (`<stem>.manifest.json`) records the source file's hash, the target's fingerprint, the settings
+and what was written and skipped.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from eagle3lib.conversations import ChatRenderer, Conversation, ConversationError
+from eagle3lib.data import DataError
+from eagle3lib.progress import progress
+from eagle3lib.runs import atomic_write_text, git_commit
+
+FORMAT = "eagle3lib-regenerated"
+ENGINES = ("builtin", "vllm", "server")
+
+
+class RegenerationError(DataError):
+    """A regeneration that cannot start or continue as asked: the message says what differs or failed."""
+
+
+@dataclass(frozen=True)
+class RegenerationSettings:
+    engine: str = "builtin"  # builtin | vllm | server
+    max_new_tokens: int = 512  # per reply
+    temperature: float = 0.0  # 0: greedy
+    seed: int = 0  # sampling: each reply draws from a seed of (seed, conversation id, turn)
+    batch_size: int = 32  # replies decoded together (builtin), requests in flight (server)
+    max_turns: int = 0  # user turns answered per conversation; 0: all
+    max_prompt_tokens: int = 2048  # a longer prompt ends its conversation there (its earlier turns are kept)
+    dtype: str = "auto"  # builtin and vllm: the target's dtype
+    url: str = ""  # server: e.g. http://127.0.0.1:30000
+    model: str = ""  # server: the model name it serves ("" = the target's spec)
+
+    def check(self) -> None:
+        problems = []
+        if self.engine not in ENGINES:
+            problems.append(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.max_new_tokens < 1 or self.batch_size < 1 or self.max_prompt_tokens < 1 or self.max_turns < 0:
+            problems.append("max_new_tokens, batch_size and max_prompt_tokens must be >= 1, max_turns >= 0")
+        if self.temperature < 0:
+            problems.append(f"temperature must be >= 0, got {self.temperature}")
+        if self.engine == "server" and not self.url:
+            problems.append("engine server needs a url (an SGLang or vLLM server, OpenAI-compatible)")
+        if problems:
+            raise RegenerationError("regeneration settings: " + "; ".join(problems))
+
+
+@dataclass
+class Reply:
+    text: str
+    tokens: int  # tokens generated, the stop token included
+    finished: bool  # ended with a stop token (else cut at max_new_tokens)
+
+
+@dataclass
+class Request:
+    messages: list[dict]  # the conversation so far, ending with the user turn to answer
+    prompt_ids: list[int]  # those messages in the target's chat template with the generation prompt
+    seed: int
+
+
+# ---------------------------------------------------------------- engines
+
+
+class Engine:
+    """What every engine is: `replies(requests)`, and a context manager that closes what it started."""
+
+    def replies(self, requests: list[Request]) -> list[Reply]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class BuiltinEngine(Engine):
+    """The target in this process (`eagle3lib.target.Target`), prompts of similar length decoded together."""
+
+    def __init__(self, target, settings: RegenerationSettings):
+        self.target, self.settings = target, settings
+        self.stop = target.tokenizer.eos_token_id
+
+    def replies(self, requests: list[Request]) -> list[Reply]:
+        import torch
+
+        from eagle3lib.speculate import batches_by_length, decode_target_only
+
+        found: dict[int, Reply] = {}
+        prompts = [r.prompt_ids for r in requests]
+        for batch in batches_by_length(prompts, self.settings.batch_size):
+            generators = [torch.Generator(self.target.device).manual_seed(requests[i].seed) for i in batch]
+            settings = self.settings
+            out = decode_target_only(self.target.model, [prompts[i] for i in batch], settings.max_new_tokens,
+                                     settings.temperature, self.stop, generators)
+            for i, generation in zip(batch, out.generations, strict=True):
+                found[i] = self._reply(generation.tokens)
+        return [found[i] for i in range(len(requests))]
+
+    def _reply(self, tokens: list[int]) -> Reply:
+        finished = bool(tokens) and tokens[-1] == self.stop
+        text = self.target.tokenizer.decode(tokens[:-1] if finished else tokens)
+        return Reply(text, len(tokens), finished)
+
+
+class VllmEngine(Engine):
+    """vLLM (its own venv) as one long-lived process: token ids in and out (`engines.VllmGenerator`)."""
+
+    def __init__(self, target_folder: Path, tokenizer, stop_ids: list[int], settings: RegenerationSettings,
+                 log_path: Path, max_model_len: int):
+        from eagle3lib.engines import VllmGenerator
+
+        self.tokenizer, self.stop_ids, self.settings = tokenizer, set(stop_ids), settings
+        dtype = "bfloat16" if settings.dtype == "auto" else settings.dtype
+        self.worker = VllmGenerator(target_folder, dtype, max_model_len, settings.seed, log_path)
+
+    def replies(self, requests: list[Request]) -> list[Reply]:
+        outputs = self.worker.generate([r.prompt_ids for r in requests], self.settings.max_new_tokens,
+                                       self.settings.temperature, [r.seed for r in requests],
+                                       sorted(self.stop_ids))
+        return [self._reply(tokens, finish) for tokens, finish in outputs]
+
+    def _reply(self, tokens: list[int], finish: str) -> Reply:
+        text_tokens = tokens[:-1] if tokens and tokens[-1] in self.stop_ids else tokens
+        return Reply(self.tokenizer.decode(text_tokens), len(tokens), finish == "stop")
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+class ServerEngine(Engine):
+    """A running SGLang or vLLM server's OpenAI-compatible chat endpoint: the server applies the template."""
+
+    def __init__(self, settings: RegenerationSettings, model: str, timeout_s: float = 600):
+        self.settings, self.model, self.timeout_s = settings, model, timeout_s
+        self.endpoint = settings.url.rstrip("/") + "/v1/chat/completions"
+
+    def replies(self, requests: list[Request]) -> list[Reply]:
+        with ThreadPoolExecutor(max_workers=self.settings.batch_size) as pool:
+            return list(pool.map(self._one, requests))
+
+    def _one(self, request: Request) -> Reply:
+        body = {"model": self.model, "messages": request.messages, "max_tokens": self.settings.max_new_tokens,
+                "temperature": self.settings.temperature, "seed": request.seed}
+        http = urllib.request.Request(self.endpoint, data=json.dumps(body).encode(),
+                                      headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(http, timeout=self.timeout_s) as response:
+                answer = json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            raise RegenerationError(f"{self.endpoint}: HTTP {err.code}: {err.read()[:300]!r}") from err
+        except urllib.error.URLError as err:
+            raise RegenerationError(f"{self.endpoint}: no server reachable ({err.reason})") from err
+        choice = answer["choices"][0]
+        return Reply(choice["message"]["content"] or "", answer.get("usage", {}).get("completion_tokens", 0),
+                     choice.get("finish_reason") == "stop")
+
+
+def make_engine(settings: RegenerationSettings, target, renderer: ChatRenderer, work_dir: Path) -> Engine:
+    """The engine `settings.engine` names, for `target` (an `eagle3lib.target.Target`; vllm and server use
+    only its name, tokenizer and stop tokens)."""
+    settings.check()
+    if settings.engine == "builtin":
+        if settings.dtype not in ("auto", str(target.dtype).removeprefix("torch.")):
+            raise RegenerationError(f"the builtin engine decodes with the target as loaded ({target.dtype}): "
+                                    f"set target.dtype to {settings.dtype}, or the regeneration's to auto")
+        return BuiltinEngine(target, settings)
+    if settings.engine == "vllm":
+        from eagle3lib.engines import target_folder
+
+        max_model_len = settings.max_prompt_tokens + settings.max_new_tokens + 8
+        return VllmEngine(target_folder(target.name), renderer.tokenizer, target.stop_token_ids, settings,
+                          Path(work_dir) / "vllm.log", max_model_len)
+    return ServerEngine(settings, settings.model or target.name)
+
+
+def settings_from_data(data: dict, seed: int) -> RegenerationSettings:
+    """The regeneration a recipe's `data` section asks for (`data.regenerate`, data.max_new_tokens)."""
+    return RegenerationSettings(max_new_tokens=data["max_new_tokens"], seed=seed, **data["regenerate"])
+
+
+# ---------------------------------------------------------------- the file
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def manifest_path(out: Path) -> Path:
+    stem = out.name.removesuffix(".gz").removesuffix(".jsonl")
+    return out.with_name(f"{stem}.manifest.json")
+
+
+def partial_path(out: Path) -> Path:
+    return out.with_name(out.name.removesuffix(".gz") + ".partial")
+
+
+def read_partial(path: Path) -> list[str]:
+    """The ids written so far; a torn last line (a kill mid-write) is cut off, and said so."""
+    if not path.exists():
+        return []
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    complete, torn = lines[:-1], lines[-1]
+    ids = []
+    for number, line in enumerate(complete, 1):
+        try:
+            ids.append(json.loads(line)["id"])
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise RegenerationError(f"{path}:{number}: not a regenerated record ({err}); the partial file is "
+                                    "damaged: move it away to start again") from err
+    if torn:
+        print(f"[regenerate] {path}: dropping a torn last line of {len(torn)} bytes (an interrupted write)")
+        with open(path, "r+b") as handle:
+            handle.truncate(len(raw) - len(torn))
+    return ids
+
+
+def regenerate(
+    conversations: Iterable[Conversation],
+    out: str | os.PathLike,
+    engine,
+    renderer: ChatRenderer,
+    settings: RegenerationSettings,
+    *,
+    source: dict,
+    target: dict,
+    limit: int | None = None,
+    enough_tokens: int | None = None,
+    seq_len: int = 1 << 30,
+    chunk: int | None = None,
+    command: str = "",
+) -> dict:
+    """Regenerate `conversations` into the file `out` (see the module docstring); returns the manifest.
+
+    `source` describes the input (path, sha256, corpus); `target` the target (name, fingerprint). Stops after
+    `limit` conversations, or once the written conversations hold `enough_tokens` tokens in the target's chat
+    template, each counted up to `seq_len` (00_prepare_data asks for what its capture needs). `chunk`
+    conversations (default 4 batches) are regenerated together and appended at once. A complete `out` made
+    with the same inputs and settings is returned as it is.
+    """
+    settings.check()
+    out = Path(out)
+    if not out.name.endswith((".jsonl", ".jsonl.gz")):
+        raise RegenerationError(f"{out}: a regenerated file is JSON lines: name it .jsonl or .jsonl.gz")
+    partial, manifest_file = partial_path(out), manifest_path(out)
+    identity = {"format": FORMAT, "source": source, "target": target, "settings": asdict(settings)}
+    if out.exists():
+        return _complete(out, manifest_file, {**identity, "limit": limit, "enough_tokens": enough_tokens})
+    done_ids = _resume_check(partial, manifest_file, identity)
+    counts = json.loads(manifest_file.read_text())["counts"] if done_ids else {
+        "conversations": 0, "replies": 0, "reply_tokens": 0, "replies_cut_at_max_new_tokens": 0,
+        "template_tokens": 0, "skipped": {}, "turns_not_answered": {}, "seconds": 0.0}
+    manifest = {**identity, "limit": limit, "enough_tokens": enough_tokens, "command": command,
+                "commit": git_commit(), "complete": False, "counts": counts}
+    skipped, unanswered = Counter(counts["skipped"]), Counter(counts["turns_not_answered"])
+    chunk = chunk or 4 * settings.batch_size
+    stream = _after(iter(conversations), done_ids)
+    unit, done = ("conv", len(done_ids)) if limit else ("tok", counts["template_tokens"])
+    bar = progress(total=limit or enough_tokens, desc=f"regenerate → {out.name}", unit=unit, initial=done)
+    with open(partial, "ab") as handle:
+        while not _enough(counts, limit, enough_tokens):
+            wanted = chunk if limit is None else min(chunk, limit - counts["conversations"])
+            batch = [c for _, c in zip(range(wanted), stream, strict=False)]
+            if not batch:
+                break
+            started = time.perf_counter()
+            answered = _regenerate_chunk(batch, engine, renderer, settings, counts, unanswered, seq_len)
+            for record, reason, tokens in answered:
+                if reason:
+                    skipped[reason] += 1
+                    continue
+                handle.write((json.dumps(record, ensure_ascii=False) + "\n").encode())  # one write per line
+                counts["conversations"] += 1
+                counts["template_tokens"] += tokens
+                bar.update(1 if limit else tokens)
+            handle.flush()
+            os.fsync(handle.fileno())
+            counts["seconds"] += time.perf_counter() - started
+            counts |= {"skipped": dict(skipped), "turns_not_answered": dict(unanswered)}
+            atomic_write_text(manifest_file, json.dumps(manifest, indent=2) + "\n")
+    bar.close()
+    counts["reply_tokens_per_s"] = counts["reply_tokens"] / max(counts["seconds"], 1e-9)
+    _finalize(partial, out)
+    manifest |= {"complete": True, "sha256": file_sha256(out), "bytes": out.stat().st_size}
+    atomic_write_text(manifest_file, json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _enough(counts: dict, limit: int | None, enough_tokens: int | None) -> bool:
+    return (limit is not None and counts["conversations"] >= limit) or (
+        enough_tokens is not None and counts["template_tokens"] >= enough_tokens)
+
+
+def _complete(out: Path, manifest_file: Path, wanted: dict) -> dict:
+    """The manifest of a finished regeneration, if it was made with `wanted`'s inputs, settings and size."""
+    manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {}
+    changed = [f"{key}: {manifest.get(key)!r} -> {value!r}" for key, value in wanted.items()
+               if manifest.get(key) != value]
+    if not manifest.get("complete") or changed:
+        why = "; ".join(changed) or "no complete manifest"
+        raise RegenerationError(f"{out} exists and was made otherwise ({why}); remove it or write elsewhere")
+    return manifest
+
+
+def _resume_check(partial: Path, manifest_file: Path, identity: dict) -> list[str]:
+    """The ids already written, after checking that the earlier run used this source, target and settings
+    (a new limit or token budget may differ)."""
+    if not partial.exists():
+        return []
+    if not manifest_file.exists():
+        raise RegenerationError(f"{partial} has no manifest ({manifest_file}) beside it: cannot tell what "
+                                "made it; move it away to start again")
+    earlier = json.loads(manifest_file.read_text())
+    changed = [f"{key}: {earlier.get(key)!r} -> {value!r}" for key, value in identity.items()
+               if earlier.get(key) != value]
+    if changed:
+        raise RegenerationError(f"{partial} was made with other inputs or settings ({'; '.join(changed)}); "
+                                "put them back to continue it, or write to another file")
+    return read_partial(partial)
+
+
+def _after(stream: Iterator[Conversation], done_ids: list[str]) -> Iterator[Conversation]:
+    """The conversations after those already written, checking that the source still gives them in order."""
+    if not done_ids:
+        return stream
+    done = set(done_ids)
+    last = done_ids[-1]
+    for conversation in stream:
+        if conversation.id == last:
+            return stream
+        if conversation.id not in done:
+            continue  # skipped last time (too long a prompt): skipped again
+    raise RegenerationError(f"the source no longer holds conversation {last!r}, the last one written: the "
+                            "partial file does not belong to it")
+
+
+def _regenerate_chunk(
+    batch: list[Conversation], engine, renderer: ChatRenderer, settings: RegenerationSettings, counts: dict,
+    unanswered: Counter, seq_len: int,
+) -> Iterator[tuple[dict | None, str | None, int]]:
+    """(record, None, tokens in the template) per conversation, or (None, why it was skipped, 0)."""
+    histories = [[m] if m["role"] == "system" else [] for m in (c.messages[0] for c in batch)]
+    users = [c.user_turns()[: settings.max_turns or None] for c in batch]
+    open_ = [True] * len(batch)
+    for turn in range(max(len(u) for u in users)):
+        requests, owners = [], []
+        for i, conversation in enumerate(batch):
+            if not open_[i] or turn >= len(users[i]):
+                continue
+            messages = [*histories[i], {"role": "user", "content": users[i][turn]}]
+            prompt_ids = renderer.prompt_ids(messages)
+            if len(prompt_ids) > settings.max_prompt_tokens:
+                open_[i] = False
+                unanswered[f"prompt longer than {settings.max_prompt_tokens} tokens"] += len(users[i]) - turn
+                continue
+            requests.append(Request(messages, prompt_ids, reply_seed(settings.seed, conversation.id, turn)))
+            owners.append(i)
+        if not requests:
+            break
+        for i, request, reply in zip(owners, requests, engine.replies(requests), strict=True):
+            histories[i] = [*request.messages, {"role": "assistant", "content": reply.text}]
+            counts["replies"] += 1
+            counts["reply_tokens"] += reply.tokens
+            counts["replies_cut_at_max_new_tokens"] += not reply.finished
+    for conversation, history, user_turns in zip(batch, histories, users, strict=True):
+        unanswered["beyond max_turns"] += len(conversation.user_turns()) - len(user_turns)
+        if not any(m["role"] == "assistant" for m in history):
+            yield None, f"first prompt longer than {settings.max_prompt_tokens} tokens", 0
+            continue
+        record = {"id": conversation.id, "conversations": history}
+        rendered = Conversation(conversation.id, tuple(history), conversation.where)
+        yield record, None, len(renderer.render(rendered, seq_len).input_ids)
+
+
+def reply_seed(seed: int, conversation_id: str, turn: int) -> int:
+    """Each reply's sampling seed: the same on a resumed run, whatever the batching."""
+    return int(hashlib.sha256(f"{seed}:{conversation_id}:{turn}".encode()).hexdigest()[:8], 16)
+
+
+def _finalize(partial: Path, out: Path) -> None:
+    """The finished partial file under its final name, gzipped when that ends in .gz (written, renamed)."""
+    if not partial.exists():
+        partial.touch()
+    if out.name.endswith(".gz"):
+        staged = out.with_name(f".{out.name}.tmp")
+        with open(partial, "rb") as source, gzip.open(staged, "wb", compresslevel=9) as target:
+            shutil.copyfileobj(source, target)
+        os.replace(staged, out)
+        partial.unlink()
+    else:
+        os.replace(partial, out)
+
+
+def source_description(path: Path, corpus: str) -> dict:
+    if not path.is_file():
+        raise ConversationError(f"{path}: regeneration reads one conversation file, not a folder")
+    return {"corpus": corpus, "path": str(path), "sha256": file_sha256(path), "bytes": path.stat().st_size}
