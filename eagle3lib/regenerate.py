@@ -291,6 +291,7 @@ def regenerate(
     stream = _after(iter(conversations), done_ids)
     unit, done = ("conv", len(done_ids)) if limit else ("tok", counts["template_tokens"])
     bar = progress(total=limit or enough_tokens, desc=f"regenerate → {out.name}", unit=unit, initial=done)
+    atomic_write_text(manifest_file, json.dumps(manifest, indent=2) + "\n")  # before the partial file exists
     with open(partial, "ab") as handle:
         while not _enough(counts, limit, enough_tokens):
             wanted = chunk if limit is None else min(chunk, limit - counts["conversations"])

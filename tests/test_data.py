@@ -245,8 +245,8 @@ def tiny() -> Target:
 
 
 def test_prepare_raw_text_matches_a_fresh_capture(tiny, tmp_path):
-    data = {**runs.DEFAULTS["data"], "corpus": "stdlib-code", "num_tokens": 300, "seq_len": 64, "batch_size": 3,
-            "dtype": "float32", "shard_tokens": 128}
+    data = {**runs.DEFAULTS["data"], "corpus": "stdlib-code", "num_tokens": 300, "seq_len": 64,
+            "batch_size": 3, "dtype": "float32", "shard_tokens": 128}
     path = capture.prepare(tiny, data, tmp_path / "code")
     reader = DataReader(path, tiny)
     assert reader.manifest["num_tokens"] >= 300 and len(reader.manifest["shards"]) >= 2

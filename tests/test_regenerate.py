@@ -1,0 +1,192 @@
+"""Regeneration: every assistant turn replaced by the target's own reply on the regenerated history, written
+as it goes, resumable, with a manifest; through the built-in engine and an OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from eagle3lib import regenerate as regen
+from eagle3lib.conversations import ChatRenderer, Conversation, read_conversations
+from eagle3lib.speculate import decode_target_only
+from eagle3lib.target import Target
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SOURCE = [
+    Conversation(
+        "a",
+        (
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another?"},
+            {"role": "assistant", "content": "Red."},
+        ),
+        "test:1",
+    ),
+    Conversation(
+        "b",
+        ({"role": "user", "content": "Count to three."}, {"role": "assistant", "content": "1 2 3"}),
+        "test:2",
+    ),
+    Conversation(
+        "c", ({"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}), "test:3"
+    ),
+]
+SETTINGS = regen.RegenerationSettings(max_new_tokens=6, batch_size=2)
+SOURCE_FACTS = {"corpus": "test", "path": "memory", "sha256": "0" * 64, "bytes": 0}
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Target:
+    return Target.load("zoo:tiny-llama", dtype="float32", device="cpu")
+
+
+def run(tiny, out, settings=SETTINGS, source=SOURCE, **kwargs) -> dict:
+    renderer = ChatRenderer(tiny.tokenizer, tiny.stop_token_ids)
+    with regen.make_engine(settings, tiny, renderer, out.parent) as engine:
+        return regen.regenerate(
+            source, out, engine, renderer, settings, source=SOURCE_FACTS, target=tiny.describe(), **kwargs
+        )
+
+
+def test_every_assistant_turn_is_the_targets_own_reply_on_the_regenerated_history(tiny, tmp_path):
+    manifest = run(tiny, tmp_path / "out.jsonl", chunk=2)
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in records] == ["a", "b", "c"]
+    renderer = ChatRenderer(tiny.tokenizer, tiny.stop_token_ids)
+    first = records[0]["conversations"]
+    assert [m["role"] for m in first] == ["system", "user", "assistant", "user", "assistant"]
+    assert first[0]["content"] == "Be brief." and first[3]["content"] == "Another?"
+    for turn in (2, 4):  # greedy replies, each to the history as regenerated before it
+        prompt = renderer.prompt_ids(first[:turn])
+        tokens = decode_target_only(tiny.model, [prompt], 6, eos_token_id=tiny.tokenizer.eos_token_id)
+        reply = tokens.generations[0].tokens
+        finished = reply[-1] == tiny.tokenizer.eos_token_id
+        assert first[turn]["content"] == tiny.tokenizer.decode(reply[:-1] if finished else reply)
+    assert first[2]["content"] != "Blue."
+    counts = manifest["counts"]
+    assert counts["conversations"] == 3 and counts["replies"] == 4
+    assert manifest["complete"] and manifest["target"]["fingerprint"] == tiny.fingerprint
+    assert manifest["settings"]["max_new_tokens"] == 6 and manifest["source"] == SOURCE_FACTS
+    assert json.loads((tmp_path / "out.manifest.json").read_text()) == manifest
+    # read back as a conversation file: SpecForge's `conversations` of role/content messages
+    assert [c.id for c in read_conversations(tmp_path / "out.jsonl")] == ["a", "b", "c"]
+
+
+def test_an_interrupted_regeneration_continues_and_leaves_written_ones_untouched(tiny, tmp_path, monkeypatch):
+    whole = tmp_path / "whole" / "out.jsonl.gz"
+    whole.parent.mkdir()
+    run(tiny, whole, chunk=1)
+    out = tmp_path / "cut" / "out.jsonl.gz"
+    out.parent.mkdir()
+    calls = {"n": 0}
+    original = regen.BuiltinEngine.replies
+
+    def dies_on_the_third_call(self, requests):
+        calls["n"] += 1
+        if calls["n"] == 3:  # conversation a took two calls (two turns): b's first turn dies
+            raise KeyboardInterrupt
+        return original(self, requests)
+
+    monkeypatch.setattr(regen.BuiltinEngine, "replies", dies_on_the_third_call)
+    with pytest.raises(KeyboardInterrupt):
+        run(tiny, out, chunk=1)
+    monkeypatch.setattr(regen.BuiltinEngine, "replies", original)
+    partial = regen.partial_path(out)
+    assert not out.exists() and len(partial.read_text().splitlines()) == 1  # only finished files get the name
+    first_line = partial.read_bytes()
+    partial.write_bytes(first_line + b'{"id": "b", "conv')  # and a kill mid-write
+    run(tiny, out, chunk=1)
+    assert gzip.decompress(out.read_bytes()) == gzip.decompress(whole.read_bytes())
+    assert gzip.decompress(out.read_bytes()).startswith(first_line)
+    assert not partial.exists()
+
+
+def test_a_partial_file_from_other_settings_is_refused(tiny, tmp_path, monkeypatch):
+    out = tmp_path / "out.jsonl"
+    monkeypatch.setattr(
+        regen.BuiltinEngine, "replies", lambda self, r: (_ for _ in ()).throw(KeyboardInterrupt)
+    )
+    with pytest.raises(KeyboardInterrupt):
+        run(tiny, out)
+    monkeypatch.undo()
+    regen.partial_path(out).write_text(json.dumps({"id": "a", "conversations": []}) + "\n")
+    hotter = regen.RegenerationSettings(max_new_tokens=6, batch_size=2, temperature=0.7)
+    with pytest.raises(
+        regen.RegenerationError,
+        match=r"made with other inputs or settings \(settings: .*"
+        r"'temperature': 0.0.* -> .*'temperature': 0.7",
+    ):
+        run(tiny, out, settings=hotter)
+
+
+def test_limits_prompt_length_and_turns_are_counted(tiny, tmp_path):
+    renderer = ChatRenderer(tiny.tokenizer, tiny.stop_token_ids)
+    first_prompts = [len(renderer.prompt_ids(list(c.messages[: 3 if c.id == "a" else 1]))) for c in SOURCE]
+    assert first_prompts[0] < min(first_prompts[1:])  # b and c get SmolLM2's longer default system prompt
+    settings = regen.RegenerationSettings(
+        max_new_tokens=4, batch_size=4, max_turns=1, max_prompt_tokens=first_prompts[0]
+    )
+    manifest = run(tiny, tmp_path / "out.jsonl", settings=settings)
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [len(r["conversations"]) for r in records] == [3]  # a: system, one answered turn
+    counts = manifest["counts"]
+    assert counts["skipped"] == {f"first prompt longer than {first_prompts[0]} tokens": 2}
+    assert counts["turns_not_answered"] == {f"prompt longer than {first_prompts[0]} tokens": 2,
+                                            "beyond max_turns": 1}
+    with pytest.raises(regen.RegenerationError, match=r"exists and was made otherwise \(limit: None -> 3\)"):
+        run(tiny, tmp_path / "out.jsonl", settings=settings, limit=3)
+
+
+class ChatServer(BaseHTTPRequestHandler):
+    """An OpenAI-compatible chat endpoint on loopback that answers with the number of messages it got."""
+
+    seen: list = []
+
+    def do_POST(self):  # noqa: N802 (the http.server API)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ChatServer.seen.append(body)
+        answer = {
+            "choices": [
+                {
+                    "message": {"content": f"reply to {len(body['messages'])} messages"},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"completion_tokens": 4},
+        }
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_engine_sends_the_regenerated_history(tiny, tmp_path):
+    server = HTTPServer(("127.0.0.1", 0), ChatServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        settings = regen.RegenerationSettings(
+            engine="server",
+            url=f"http://127.0.0.1:{server.server_port}",
+            model="served-model",
+            max_new_tokens=8,
+            temperature=0.5,
+        )
+        manifest = run(tiny, tmp_path / "out.jsonl", settings=settings, source=SOURCE[:1])
+    finally:
+        server.shutdown()
+    second = next(b for b in ChatServer.seen if len(b["messages"]) == 4)
+    assert second["messages"][2] == {"role": "assistant", "content": "reply to 2 messages"}
+    assert second["model"] == "served-model" and second["max_tokens"] == 8 and second["temperature"] == 0.5
+    assert manifest["counts"]["reply_tokens"] == 8
