@@ -261,6 +261,131 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dataset_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="a conversation file or folder (.json/.jsonl, optionally .gz), or sharegpt")
+    p.add_argument("--target", required=True, help="whose chat template renders it: a local Hugging Face "
+                   "folder or zoo:<name> (only its tokenizer is read)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sample (longer ones are cut)")
+    p.add_argument("--loss-turns", choices=["all", "last"], default="all",
+                   help="every assistant turn in the loss, or only the last")
+    p.add_argument("--split", choices=["train", "heldout", "all"], default="train",
+                   help="the conversations 00 trains on (train, as a hash of each id decides), the held-out "
+                        "ones, or all")
+    p.add_argument("--heldout-fraction", type=float, default=0.1)
+    p.add_argument("--limit", type=int, help="stop after this many samples")
+    p.add_argument("--show", type=int, metavar="I", help="print sample I decoded, its loss spans in «»")
+    p.add_argument("--json", action="store_true", help="print one JSON object: read, skipped, samples "
+                   "(id, input_ids, loss_mask) of the first --limit samples")
+
+
+@command("dataset", "read a conversation dataset exactly as 00 would: what was read, skipped, cut and learnt",
+         _dataset_arguments)
+def _dataset(args: argparse.Namespace) -> int:
+    import json
+
+    from eagle3lib.conversations import ChatRenderer
+    from eagle3lib.regenerate import TargetFacts
+    from eagle3lib.sources import dataset_report, marked_text
+
+    target = TargetFacts.read(args.target)
+    renderer = ChatRenderer(target.tokenizer, target.stop_token_ids, args.loss_turns)
+    keep = args.json or args.show is not None
+    limit = args.limit if args.show is None else max(args.limit or 0, args.show + 1)
+    found = dataset_report(args.file, renderer, args.seq_len, args.heldout_fraction, args.split, limit, keep)
+    if args.json:
+        summary = found.as_dict()
+        print(json.dumps({"read": summary["read"], "skipped": summary["skipped"],
+                          "samples": summary["samples"][: args.limit]}))
+        return 0
+    stats = found.stats
+    print(f"{args.file} with {args.target}'s chat template, split {args.split} "
+          f"(held-out fraction {args.heldout_fraction}), seq_len {args.seq_len}, loss on {args.loss_turns} "
+          "assistant turns")
+    for note in stats.notes:
+        print(f"  note: {note}")
+    print(f"  conversations read: {stats.read:,}; kept {stats.kept:,}; of those held out: {found.heldout:,}")
+    for title, counter in (("skipped", stats.skipped), ("turns dropped", stats.dropped_turns),
+                           ("cut", found.cut)):
+        reasons = ", ".join(f"{reason} {n:,}" for reason, n in counter.most_common())
+        print(f"  {title}: {reasons or 'none'}")
+    print(f"  samples: {found.samples_read:,}; tokens {found.tokens:,}, in the loss {found.loss_tokens:,} "
+          f"({found.loss_tokens / max(found.tokens, 1):.1%})")
+    if args.show is not None:
+        if args.show >= len(found.samples):
+            print(f"eagle3 dataset: error: no sample {args.show} (there are {len(found.samples)})",
+                  file=sys.stderr)
+            return 2
+        sample = found.samples[args.show]
+        print(f"\nsample {args.show} ({sample.doc_id}), loss spans in «»:\n")
+        print(marked_text(target.tokenizer, sample))
+    return 0
+
+
+def _regenerate_arguments(p: argparse.ArgumentParser) -> None:
+    from eagle3lib.regenerate import ENGINES, RegenerationSettings
+
+    defaults = RegenerationSettings()
+    p.add_argument("file", help="a conversation file (.json/.jsonl, optionally .gz), or sharegpt")
+    p.add_argument("-o", "--output", required=True, help="the regenerated file: .jsonl or .jsonl.gz (a "
+                   "manifest is written beside it; rerun the same command to continue an interrupted run)")
+    p.add_argument("--target", required=True, help="a local Hugging Face folder or zoo:<name>")
+    p.add_argument("--engine", choices=ENGINES, default=defaults.engine)
+    p.add_argument("--url", default="", help="engine server: http://HOST:PORT of an SGLang or vLLM server")
+    p.add_argument("--model", default="", help="engine server: the model name it serves (default: --target)")
+    p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=defaults.temperature, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--max-turns", type=int, default=defaults.max_turns, help="user turns answered; 0 = all")
+    p.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens)
+    p.add_argument("--dtype", default=defaults.dtype, help="builtin and vllm: auto | float32 | bfloat16")
+    p.add_argument("--limit", type=int, help="stop after this many conversations")
+    p.add_argument("--split", choices=["train", "heldout", "all"], default="train",
+                   help="which conversations: the training split (default), the held-out one, or all")
+    p.add_argument("--heldout-fraction", type=float, default=0.1)
+
+
+@command("regenerate", "replace every assistant turn of a conversation dataset by the target's own reply",
+         _regenerate_arguments)
+def _regenerate(args: argparse.Namespace) -> int:
+    import shlex
+    from pathlib import Path
+
+    from eagle3lib import regenerate, sources
+    from eagle3lib.conversations import ChatRenderer, read_conversations
+
+    settings = regenerate.RegenerationSettings(
+        engine=args.engine, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+        batch_size=args.batch_size, max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens,
+        dtype=args.dtype, url=args.url, model=args.model)
+    settings.check()
+    if args.engine == "builtin":
+        from eagle3lib.target import Target
+
+        target = Target.load(args.target, dtype=args.dtype)
+    else:
+        target = regenerate.TargetFacts.read(args.target)
+    renderer = ChatRenderer(target.tokenizer, target.stop_token_ids)
+    path, truncated_ok = sources.conversation_source(args.file)
+    if args.split == "all":
+        conversations = read_conversations(path, allow_truncated=truncated_ok)
+    else:
+        conversations = sources.split_conversations(args.file, args.split, args.heldout_fraction)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command_line = "eagle3 regenerate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    source = regenerate.source_description(path, args.file) | {"split": args.split,
+                                                               "heldout_fraction": args.heldout_fraction}
+    with regenerate.make_engine(settings, target, renderer, out.parent) as engine:
+        manifest = regenerate.regenerate(conversations, out, engine, renderer, settings, source=source,
+                                         target=target.describe(), limit=args.limit, command=command_line)
+    counts = manifest["counts"]
+    print(f"eagle3 regenerate: {out}: {counts['conversations']:,} conversations, {counts['replies']:,} "
+          f"replies, {counts['reply_tokens']:,} reply tokens at {counts['reply_tokens_per_s']:.0f} tok/s; "
+          f"skipped {counts['skipped'] or 'none'}; manifest {regenerate.manifest_path(out)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -277,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.handler(args) or 0
-    except (ParamsError, RunExistsError, FileNotFoundError, ValueError) as err:
+    except (ParamsError, RunExistsError, FileNotFoundError, ValueError) as err:  # DataError is a ValueError
         print(f"eagle3 {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -208,6 +208,35 @@ def settings_from_data(data: dict, seed: int) -> RegenerationSettings:
     return RegenerationSettings(max_new_tokens=data["max_new_tokens"], seed=seed, **data["regenerate"])
 
 
+@dataclass
+class TargetFacts:
+    """What the vllm and server engines need of a target, read from its folder without loading weights: its
+    spec, tokenizer, stop tokens and a description for the manifest (the config file's hash standing in for
+    the weights' fingerprint)."""
+
+    name: str
+    tokenizer: object
+    stop_token_ids: list[int]
+    folder: Path
+
+    @classmethod
+    def read(cls, spec: str, cache_dir: str = "") -> TargetFacts:
+        from transformers import AutoTokenizer
+
+        from eagle3lib.engines import target_folder
+        from eagle3lib.target import stop_token_ids
+
+        folder = target_folder(spec, cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        generation = folder / "generation_config.json"
+        configured = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
+        return cls(spec, tokenizer, stop_token_ids(tokenizer, configured), folder)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "folder": str(self.folder),
+                "config_sha256": file_sha256(self.folder / "config.json")}
+
+
 # ---------------------------------------------------------------- the file
 
 

@@ -169,3 +169,60 @@ def conversation_samples(renderer: ChatRenderer, conversations: Iterator[Convers
             cut["skipped: no loss token within seq_len"] += 1
             continue
         yield Sample(torch.tensor(rendered.input_ids), torch.tensor(rendered.loss_mask), conversation.id)
+
+
+@dataclass
+class DatasetReport:
+    """What `eagle3 dataset` shows: what was read and skipped, and the samples a drafter would learn from."""
+
+    stats: ReadStats
+    cut: Counter
+    heldout: int
+    samples_read: int
+    samples: list[Sample]  # kept when asked for
+    tokens: int
+    loss_tokens: int
+
+    def as_dict(self) -> dict:
+        return {"read": self.stats.read, "skipped": dict(self.stats.skipped),
+                "dropped_turns": dict(self.stats.dropped_turns), "heldout": self.heldout,
+                "cut": dict(self.cut), "notes": self.stats.notes, "samples_read": self.samples_read,
+                "tokens": self.tokens, "loss_tokens": self.loss_tokens,
+                "samples": [{"id": s.doc_id, "input_ids": s.input_ids.tolist(),
+                             "loss_mask": s.loss_mask.int().tolist()} for s in self.samples]}
+
+
+def dataset_report(corpus: str, renderer: ChatRenderer, seq_len: int, heldout_fraction: float, split: str,
+                   limit: int | None = None, keep: bool = True) -> DatasetReport:
+    """A conversation corpus read as 00_prepare_data reads it (`split` train; or heldout, or all), up to
+    `limit` samples; `keep` False counts the samples without holding them."""
+    stats, cut, heldout = ReadStats(), Counter(), Counter()
+    path, truncated_ok = conversation_source(corpus)
+
+    def chosen() -> Iterator[Conversation]:
+        for conversation in read_conversations(path, stats, allow_truncated=truncated_ok):
+            held = zoo.is_heldout(conversation.split_key, heldout_fraction)
+            heldout["n"] += held
+            if split == "all" or held == (split == "heldout"):
+                yield conversation
+
+    samples, count, tokens, loss_tokens = [], 0, 0, 0
+    for sample in islice(conversation_samples(renderer, chosen(), seq_len, cut), limit):
+        count += 1
+        tokens += len(sample.input_ids)
+        loss_tokens += int(sample.loss_mask.sum())
+        if keep:
+            samples.append(sample)
+    return DatasetReport(stats, cut, heldout["n"], count, samples, tokens, loss_tokens)
+
+
+def marked_text(tokenizer, sample: Sample, start: str = "«", end: str = "»") -> str:
+    """A sample decoded, each run of loss tokens between `start` and `end`."""
+    pieces, ids, mask = [], sample.input_ids.tolist(), sample.loss_mask.tolist()
+    run_start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or mask[i] != mask[run_start]:
+            text = tokenizer.decode(ids[run_start:i])
+            pieces.append(f"{start}{text}{end}" if mask[run_start] else text)
+            run_start = i
+    return "".join(pieces)

@@ -154,10 +154,7 @@ class Target:
 
     @property
     def stop_token_ids(self) -> list[int]:
-        """The tokens a reply ends with: the tokenizer's end of sequence and the generation config's."""
-        configured = getattr(self.model.generation_config, "eos_token_id", None)
-        configured = configured if isinstance(configured, list) else [configured]
-        return sorted({i for i in [self.tokenizer.eos_token_id, *configured] if i is not None})
+        return stop_token_ids(self.tokenizer, getattr(self.model.generation_config, "eos_token_id", None))
 
     @property
     def default_aux_layer_ids(self) -> list[int]:
@@ -300,6 +297,12 @@ class Target:
             f"Target({self.name!r}, N={self.num_layers}, H={self.hidden_size}, Vt={self.vocab_size}, "
             f"dtype={self.dtype}, device={self.device})"
         )
+
+
+def stop_token_ids(tokenizer, configured: int | list[int] | None) -> list[int]:
+    """The tokens a reply ends with: the tokenizer's end of sequence and the generation config's."""
+    configured = configured if isinstance(configured, list) else [configured]
+    return sorted({i for i in [tokenizer.eos_token_id, *configured] if i is not None})
 
 
 def _argmax(logits: Tensor) -> Tensor:

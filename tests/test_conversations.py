@@ -337,3 +337,62 @@ def test_prepare_reads_conversations_and_reports_what_it_read(tmp_path, text):
         assert all(c.messages[1]["content"] != originals[c.id].messages[1]["content"] for c in written)
         manifest = json.loads(regenerated.with_name("regenerated.manifest.json").read_text())
         assert manifest["complete"] and manifest["source"]["path"] == str(path)
+
+
+def test_eagle3_dataset_shows_what_the_drafter_learns(tmp_path, capsys):
+    from eagle3lib import cli
+
+    path = conversation_file(tmp_path, n=12)
+    args = ["dataset", str(path), "--target", "zoo:tiny-llama", "--seq-len", "64", "--split", "all"]
+    assert cli.main([*args, "--json", "--limit", "2"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (
+        shown["read"] == 2 and shown["skipped"] == {} and [s["id"] for s in shown["samples"]] == ["q0", "q1"]
+    )
+    tokenizer = AutoTokenizer.from_pretrained(zoo.resolve("zoo:tiny-llama"))
+    first = shown["samples"][0]
+    assert len(first["input_ids"]) == 64
+    assert (
+        loss_spans(tokenizer, first["input_ids"], [bool(m) for m in first["loss_mask"]])[0]
+        == "It is 0.<|im_end|>"
+    )
+    assert cli.main([*args, "--show", "1"]) == 0
+    text = capsys.readouterr().out
+    assert (
+        "conversations read: 2; kept 2" in text and "cut: none" in text and "samples: 2; tokens 128" in text
+    )
+    assert "«It is 2.<|im_end|>»" in text and "<|im_start|>user\nQuestion 1" in text
+    (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "user", "content": 3}]}\n')
+    assert cli.main(["dataset", str(tmp_path / "bad.jsonl"), "--target", "zoo:tiny-llama"]) == 2
+    assert "bad.jsonl:1: messages[0].content: expected a string, got int" in capsys.readouterr().err
+
+
+def test_eagle3_regenerate_writes_then_reuses_a_complete_file(tmp_path, capsys):
+    from eagle3lib import cli
+
+    path = conversation_file(tmp_path, n=6)
+    out = tmp_path / "regen" / "chats.jsonl.gz"
+    args = [
+        "regenerate",
+        str(path),
+        "-o",
+        str(out),
+        "--target",
+        "zoo:tiny-llama",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "4",
+        "--max-turns",
+        "1",
+        "--split",
+        "all",
+    ]
+    assert cli.main(args) == 0
+    assert "6 conversations, 6 replies" in capsys.readouterr().out
+    manifest = json.loads((tmp_path / "regen" / "chats.manifest.json").read_text())
+    assert manifest["command"].startswith("eagle3 regenerate ") and manifest["source"]["split"] == "all"
+    assert [len(c.messages) for c in read_conversations(out)] == [2] * 6
+    assert cli.main(args) == 0  # complete with the same settings: nothing to do
+    assert cli.main([*args[:-2], "--split", "train"]) == 2
+    assert "exists and was made otherwise" in capsys.readouterr().err
