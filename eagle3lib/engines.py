@@ -67,16 +67,38 @@ def open_target(spec: str, backend: str, dtype: str = "auto", device: str = "aut
     return str(folder), AutoTokenizer.from_pretrained(folder)
 
 
-def probe_prompts(tokenizer, corpus: str, num_prompts: int, prompt_chars: int, chat: bool) -> list[list[int]]:
-    """Token ids of `num_prompts` held-out document openings (never in the training text), optionally as a
-    user turn of the target's chat template."""
-    from eagle3lib import zoo
-    from eagle3lib.sources import chat_prompt_ids
+def probe_prompts(tokenizer, corpus: str, num_prompts: int, prompt_chars: int, chat: bool, reply=None
+                  ) -> list[list[int]]:
+    """Token ids of a benchmark's prompts (`eagle3lib.benchmarks`: held-out documents or conversations,
+    humaneval, a prompt file), as user turns of the target's chat template; `chat` False: text corpora's
+    openings as they are. `reply` answers earlier turns of multi-turn questions (`target_replies`)."""
+    from eagle3lib import benchmarks
 
-    texts = zoo.heldout_prompts(corpus, num_prompts, max_chars=prompt_chars)
-    if chat:
-        return [chat_prompt_ids(tokenizer, text, corpus) for text in texts]
-    return [list(tokenizer(text)["input_ids"]) for text in texts]
+    if not chat:
+        return benchmarks.plain_ids(tokenizer, corpus, num_prompts, prompt_chars)
+    return benchmarks.prompt_ids(tokenizer, benchmarks.questions(corpus, num_prompts, prompt_chars), reply)
+
+
+def target_replies(target, max_new_tokens: int, batch_size: int):
+    """The target's own greedy replies (text, up to its end of turn) to prompts: what later turns of a
+    multi-turn benchmark are asked on (builtin backend; None for engines, which give none)."""
+    from eagle3lib.speculate import batches_by_length, decode_target_only
+
+    if not hasattr(target, "model"):
+        return None
+    stop = target.tokenizer.eos_token_id
+
+    def reply(prompts: list[list[int]]) -> list[str]:
+        found = {}
+        for batch in batches_by_length(prompts, batch_size):
+            out = decode_target_only(target.model, [prompts[i] for i in batch], max_new_tokens,
+                                     eos_token_id=stop)
+            for i, generation in zip(batch, out.generations, strict=True):
+                tokens = generation.tokens
+                found[i] = target.tokenizer.decode(tokens[:-1] if tokens and tokens[-1] == stop else tokens)
+        return [found[i] for i in range(len(prompts))]
+
+    return reply
 
 
 def drafter_entries(entries: list, key: str = "evaluate.drafters") -> dict[str, Path]:

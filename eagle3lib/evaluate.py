@@ -1,12 +1,19 @@
-"""Drafters side by side on the same prompts (notebook 05): τ with intervals, paired verdicts, the draft
-depth that pays on this machine, and the τ training predicted against the τ decoding measured."""
+"""Drafters side by side on the same benchmarks (notebook 05): τ with intervals per benchmark, paired
+verdicts, the draft depth that pays on this machine, and the τ training predicted against the τ measured.
+
+`evaluate_drafters` runs it all and returns an `Evaluation`, which knows its own table, verdicts, findings and
+the metrics it stores; the run's summary reads those back through `summary_lines`.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3lib import intervals
+from eagle3lib.benchmarks import Benchmark
 from eagle3lib.speculate import DraftSettings
 
 
@@ -14,8 +21,12 @@ def depth_grid(steps: list[int], tree: dict, temperature: float = 0.0) -> dict[s
     """The K sweep: one chain per depth in `steps`, plus one small tree (`tree.steps` 0: none)."""
     grid = {f"chain K={k}": DraftSettings(steps=k, temperature=temperature) for k in steps}
     if tree["steps"]:
-        settings = DraftSettings(steps=tree["steps"], topk=tree["topk"],
-                                 num_draft_tokens=tree["num_draft_tokens"], temperature=temperature)
+        settings = DraftSettings(
+            steps=tree["steps"],
+            topk=tree["topk"],
+            num_draft_tokens=tree["num_draft_tokens"],
+            temperature=temperature,
+        )
         grid[f"tree {settings.steps}x{settings.topk} ({settings.num_draft_tokens})"] = settings
     return grid
 
@@ -66,10 +77,11 @@ def calibration(measured: dict[str, dict], drafters: dict[str, Path], steps: int
     return rows
 
 
-def comparisons(measured: dict[str, dict], seed: int = 0) -> list[intervals.Comparison]:
+def comparisons_of(measured: dict[str, dict], seed: int = 0) -> list[intervals.Comparison]:
     """Every pair of drafters by a paired bootstrap over the prompts they all decoded."""
-    per_prompt = {name: m["accepted_per_prompt"] for name, m in measured.items()
-                  if m.get("accepted_per_prompt")}
+    per_prompt = {
+        name: m["accepted_per_prompt"] for name, m in measured.items() if m.get("accepted_per_prompt")
+    }
     return intervals.pairwise(per_prompt, seed=seed)
 
 
@@ -93,16 +105,21 @@ def calibration_sentence(name: str, row: dict) -> str:
     batches vs acceptance at position 1 on held-out prompts: a shift of data) against the later positions
     (teacher forcing in training, the drafter's own drafts when decoding)."""
     first_gap = row["acc_0"] - row["acceptance_1"]
-    text = (f"{name}: predicted τ {row['predicted_tau']:.2f}, measured {row['measured_tau']:.2f} "
-            f"({row['relative_error']:+.0%}); position 1: {row['acc_0']:.0%} on training batches vs "
-            f"{row['acceptance_1']:.0%} accepted on held-out prompts")
+    text = (
+        f"{name}: predicted τ {row['predicted_tau']:.2f}, measured {row['measured_tau']:.2f} "
+        f"({row['relative_error']:+.0%}); position 1: {row['acc_0']:.0%} on training batches vs "
+        f"{row['acceptance_1']:.0%} accepted on held-out prompts"
+    )
     if abs(row["relative_error"]) <= 0.10:
         return text + " — within 10 %."
     if abs(first_gap) >= 0.05:
-        return text + (" — most of the gap is already at position 1: the held-out prompts are not the "
-                       "training data.")
-    return text + (" — position 1 agrees, so the gap is in the later positions: training feeds them the true "
-                   "tokens (teacher forcing), decoding feeds the drafter's own drafts.")
+        return text + (
+            " — most of the gap is already at position 1: the held-out prompts are not the training data."
+        )
+    return text + (
+        " — position 1 agrees, so the gap is in the later positions: training feeds them the true "
+        "tokens (teacher forcing), decoding feeds the drafter's own drafts."
+    )
 
 
 def best_settings(sweeps: dict[str, dict[str, dict]]) -> dict[str, dict]:
@@ -113,3 +130,244 @@ def best_settings(sweeps: dict[str, dict[str, dict]]) -> dict[str, dict]:
         keys = ("tau", "tau_low", "tau_high", "speedup", "decode_speedup")
         found[name] = {"setting": label} | {key: sweep[label][key] for key in keys}
     return found
+
+
+def engine_terms(settings: DraftSettings) -> str:
+    """The decoding setting as the serving engines are configured for it."""
+    sglang = (
+        f"SGLang --speculative-num-steps {settings.steps} --speculative-eagle-topk {settings.topk} "
+        f"--speculative-num-draft-tokens {settings.num_draft_tokens}"
+    )
+    if settings.topk == 1:
+        return (
+            f"{sglang} (chain, {settings.steps}/1/{settings.num_draft_tokens}); vLLM num_speculative_tokens "
+            f"{settings.steps}"
+        )
+    return f"{sglang} (a tree; vLLM drafts chains only)"
+
+
+def benchmarks_of(params: dict) -> list[Benchmark]:
+    """`evaluate.benchmarks`, or the probe's own prompts as the one benchmark."""
+    entries = params["evaluate"]["benchmarks"]
+    if not entries:
+        p = params["probe"]
+        return [Benchmark(p["corpus"], p["corpus"], p["num_prompts"])]
+    found = [Benchmark.from_params(entry, f"evaluate.benchmarks[{i}]") for i, entry in enumerate(entries)]
+    names = [b.name for b in found]
+    if len(set(names)) != len(names):
+        raise ValueError(f"evaluate.benchmarks: names must differ, got {names}")
+    return found
+
+
+@dataclass
+class Evaluation:
+    """Every drafter on every benchmark with the same target and decoding settings."""
+
+    backend: str
+    settings: DraftSettings
+    max_new_tokens: int
+    prompts: dict[str, int]  # benchmark -> prompts decoded (every turn of a multi-turn question counts)
+    metrics: dict[str, dict[str, dict]]  # benchmark -> drafter -> probe metrics
+    outputs: dict[str, dict[str, list[list[int]]]]  # benchmark -> drafter -> generated tokens per prompt
+    comparisons: dict[str, list[intervals.Comparison]]  # benchmark -> paired comparisons
+    sweeps: dict[str, dict[str, dict]] = field(default_factory=dict)  # drafter -> setting -> metrics
+    calibration: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def first(self) -> dict[str, dict]:
+        """The first benchmark's metrics per drafter: the one the sweep and the per-drafter figures use."""
+        return next(iter(self.metrics.values()))
+
+    @property
+    def best(self) -> dict[str, dict]:
+        return best_settings(self.sweeps) if self.sweeps else {}
+
+    def table(self) -> str:
+        """Drafters x benchmarks, τ [95 % interval], and the mean over benchmarks (the EAGLE-3 paper's and
+        SpecForge's layout)."""
+        names = list(self.metrics)
+        drafters = list(self.first)
+        head = "| drafter | " + " | ".join(f"{n} ({self.prompts[n]})" for n in names) + " | mean τ |"
+        lines = [head, "|---" * (len(names) + 2) + "|"]
+        for drafter in drafters:
+            cells = [tau_text(self.metrics[n][drafter]) for n in names]
+            mean = sum(self.metrics[n][drafter]["tau"] for n in names) / len(names)
+            lines.append(f"| {drafter} | " + " | ".join(cells) + f" | {mean:.2f} |")
+        return "\n".join(lines)
+
+    def verdicts(self) -> list[str]:
+        return [f"{name}: {c.sentence()}" for name, found in self.comparisons.items() for c in found]
+
+    def findings(self) -> list[str]:
+        lines = [
+            f"{engine_terms(self.settings)}; {self.max_new_tokens} new tokens per prompt; τ with 95 % "
+            "intervals over prompts:"
+        ]
+        for name, per_drafter in self.metrics.items():
+            ranked = sorted(per_drafter, key=lambda d: per_drafter[d]["tau"], reverse=True)
+            lines.append(
+                f"{name} ({self.prompts[name]} prompts): "
+                + "; ".join(f"{d} {tau_text(per_drafter[d])}" for d in ranked)
+                + "."
+            )
+        verdicts = [f"{name}: {c.verdict}" for name, found in self.comparisons.items() for c in found]
+        if verdicts:
+            lines.append("Paired: " + "; ".join(verdicts) + ".")
+        for drafter, b in self.best.items():
+            lines.append(
+                f"{drafter} is fastest at {b['setting']}: τ {b['tau']:.2f}, {speedup_text(b)} the "
+                "target alone."
+            )
+        for drafter, row in self.calibration.items():
+            lines.append(
+                f"{drafter}: predicted τ {row['predicted_tau']:.2f} vs measured {row['measured_tau']:.2f} "
+                f"({row['relative_error']:+.0%})."
+            )
+        return lines
+
+    def to_metrics(self) -> dict:
+        """What metrics.json keeps of 05 (the summary reads it back with `summary_lines`)."""
+        keys = (
+            "tau",
+            "tau_low",
+            "tau_high",
+            "tau_interval_unit",
+            "acceptance_per_position",
+            "tokens_per_s",
+            "target_tokens_per_s",
+            "speedup",
+            "decode_speedup",
+            "ideal_speedup",
+            "efficiency",
+            "matches_target",
+        )
+        return {
+            "backend": self.backend,
+            "steps": self.settings.steps,
+            "topk": self.settings.topk,
+            "num_draft_tokens": self.settings.num_draft_tokens,
+            "setting": engine_terms(self.settings),
+            "max_new_tokens": self.max_new_tokens,
+            "prompts": self.prompts,
+            "benchmarks": {
+                name: {d: {k: m[k] for k in keys if m.get(k) is not None} for d, m in drafters.items()}
+                for name, drafters in self.metrics.items()
+            },
+            "comparisons": {name: [c.sentence() for c in found] for name, found in self.comparisons.items()},
+            "best_setting": self.best,
+            "calibration": self.calibration,
+        }
+
+
+def summary_lines(stored: dict) -> list[str]:
+    """The run summary's lines for 05, from what `Evaluation.to_metrics` stored: τ per benchmark and its mean,
+    the speedup at the probe's setting and the fastest setting (first benchmark), predicted τ, verdicts."""
+    benchmarks = stored.get("benchmarks") or {}
+    if not benchmarks:
+        return []
+    names = list(benchmarks)
+    first = benchmarks[names[0]]
+    best, calibration = stored.get("best_setting", {}), stored.get("calibration", {})
+    lines = [
+        "",
+        f"τ per benchmark ({stored['backend']}; {stored['setting']}; {stored['max_new_tokens']} new tokens; "
+        f"95 % intervals over prompts); speeds on {names[0]}:",
+        "",
+        "| drafter | "
+        + " | ".join(f"{n} ({stored['prompts'][n]})" for n in names)
+        + " | mean τ | speedup (in decoding) | fastest setting: τ, speedup | predicted τ |",
+        "|---" * (len(names) + 5) + "|",
+    ]
+    for drafter in first:
+        cells = [tau_text(benchmarks[n][drafter]) for n in names]
+        mean = sum(benchmarks[n][drafter]["tau"] for n in names) / len(names)
+        speedup = speedup_text(first[drafter]) if "speedup" in first[drafter] else "–"
+        fastest = best.get(drafter)
+        fastest = f"{fastest['setting']}: {fastest['tau']:.2f}, {speedup_text(fastest)}" if fastest else "–"
+        row = calibration.get(drafter)
+        predicted = f"{row['predicted_tau']:.2f} ({row['relative_error']:+.0%})" if row else "–"
+        lines.append(
+            f"| {drafter} | " + " | ".join(cells) + f" | {mean:.2f} | {speedup} | {fastest} | {predicted} |"
+        )
+    sentences = [f"{name}: {s}" for name, found in stored.get("comparisons", {}).items() for s in found]
+    if sentences:
+        lines += ["", "Paired comparisons on the same prompts (95 % bootstrap intervals):", ""]
+        lines += [f"- {sentence}" for sentence in sentences]
+    return lines
+
+
+def evaluate_drafters(
+    params: dict, drafters: dict[str, Path], target, tokenizer, out: Path, log: Callable[[str], None] = print
+) -> Evaluation:
+    """Probe every drafter on every benchmark (`evaluate.benchmarks`) with `probe`'s target and settings,
+    compare them pairwise per benchmark, sweep draft depths on the first benchmark (builtin), and set the τ
+    training predicted beside the τ measured."""
+    from eagle3lib import engines, speculate
+
+    p, e = params["probe"], params["evaluate"]
+    dtype = p["dtype"] or params["target"]["dtype"]
+    settings = DraftSettings(
+        steps=p["steps"], topk=p["topk"], num_draft_tokens=p["num_draft_tokens"], temperature=p["temperature"]
+    )
+    builtin = p["backend"] == "builtin"
+    reply = engines.target_replies(target, p["max_new_tokens"], p["batch_size"])
+    metrics, outputs, comparisons, prompt_counts, first_probe = {}, {}, {}, {}, None
+    for benchmark in benchmarks_of(params):
+        prompts = engines.probe_prompts(
+            tokenizer, benchmark.corpus, benchmark.num_prompts, p["prompt_chars"], p["chat"], reply
+        )
+        prompt_counts[benchmark.name] = len(prompts)
+        reuse = speculate.PrefillCache() if builtin else None  # one target prefill serves every probe
+        state = {"baseline": None}  # one target-only decoding of the prompts serves every drafter
+
+        def probe(path, draft_settings, work_dir, prompts=prompts, reuse=reuse, state=state):
+            result = engines.probe(
+                p["backend"],
+                target,
+                path,
+                prompts,
+                draft_settings,
+                p["max_new_tokens"],
+                dtype=dtype,
+                sglang_url=p["sglang_url"],
+                work_dir=work_dir,
+                seed=params["run"]["seed"],
+                batch_size=p["batch_size"],
+                baseline=state["baseline"],
+                reuse=reuse,
+            )
+            state["baseline"] = result.baseline
+            return result
+
+        first_probe = first_probe or probe
+        found = {}
+        for i, (name, path) in enumerate(drafters.items()):
+            found[name] = probe(path, settings, out / f"engine_{benchmark.name}_{i}")
+            log(
+                f"{benchmark.name}: {name}: τ {tau_text(found[name].metrics)}; "
+                + "; ".join(found[name].notes)
+            )
+        metrics[benchmark.name] = {name: r.metrics for name, r in found.items()}
+        outputs[benchmark.name] = {name: r.outputs for name, r in found.items()}
+        comparisons[benchmark.name] = comparisons_of(metrics[benchmark.name], seed=params["run"]["seed"])
+    evaluation = Evaluation(
+        p["backend"], settings, p["max_new_tokens"], prompt_counts, metrics, outputs, comparisons
+    )
+    if builtin and e["sweep_steps"]:
+        grid = depth_grid(e["sweep_steps"], e["sweep_tree"], p["temperature"])
+        for name, path in drafters.items():
+            evaluation.sweeps[name] = {
+                label: evaluation.first[name]
+                if grid_settings == settings
+                else first_probe(path, grid_settings, None).metrics
+                for label, grid_settings in grid.items()
+            }
+            log(
+                f"{name}: "
+                + "; ".join(
+                    f"{label} τ {m['tau']:.2f} {m['speedup']:.2f}x"
+                    for label, m in evaluation.sweeps[name].items()
+                )
+            )
+    evaluation.calibration = calibration(evaluation.first, drafters, settings.steps)
+    return evaluation

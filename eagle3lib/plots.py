@@ -12,11 +12,14 @@ import matplotlib.pyplot as plt
 import torch
 from matplotlib.figure import Figure
 
+from eagle3lib import devices
 from eagle3lib.vocab import VocabDiff, VocabMap
 
 
 def _finish(fig: Figure, path: str | os.PathLike | None) -> Figure:
-    fig.tight_layout()
+    """Lay out, name the machine in a corner (a speed is one machine's, not another's), and save."""
+    fig.tight_layout(rect=(0, 0.035, 1, 1))
+    fig.text(0.995, 0.005, devices.machine_description(), ha="right", va="bottom", fontsize=6.5, color="grey")
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
@@ -91,6 +94,29 @@ def tau_and_speedup(results: dict[str, dict], path: str | os.PathLike | None = N
     axis.set_xticks(range(len(names)), names, rotation=15, ha="right")
     axis.set_title("acceptance length and speedup on the same prompts", fontsize=10)
     axis.legend(fontsize=9)
+    return _finish(fig, path)
+
+
+def benchmark_taus(metrics: dict[str, dict[str, dict]], path: str | os.PathLike | None = None) -> Figure:
+    """τ with its 95 % interval per benchmark (groups) and drafter (bars): notebook 05's table as a figure."""
+    benchmarks = list(metrics)
+    drafters = list(metrics[benchmarks[0]])
+    fig, axis = plt.subplots(figsize=(max(6.5, 1.2 * len(benchmarks) * len(drafters) + 2), 4.2))
+    width = 0.8 / len(drafters)
+    for i, drafter in enumerate(drafters):
+        found = [metrics[b][drafter] for b in benchmarks]
+        values = [m["tau"] for m in found]
+        errors = None
+        if all(m.get("tau_low") is not None for m in found):
+            errors = [[m["tau"] - m["tau_low"] for m in found], [m["tau_high"] - m["tau"] for m in found]]
+        bars = axis.bar([x + (i - (len(drafters) - 1) / 2) * width for x in range(len(benchmarks))], values,
+                        width, label=drafter, yerr=errors, capsize=3 if errors else 0)
+        axis.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
+    axis.axhline(1.0, color="grey", linewidth=1)
+    axis.set_xticks(range(len(benchmarks)), benchmarks)
+    axis.set_ylabel("τ (95 % interval over prompts)")
+    axis.set_title("acceptance length per benchmark", fontsize=10)
+    axis.legend(fontsize=8)
     return _finish(fig, path)
 
 

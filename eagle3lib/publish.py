@@ -90,3 +90,14 @@ def verify(folder: Path) -> dict:
             f"{folder / PROVENANCE}: the weights changed since they were published"
         )
     return record
+
+
+def measured_metrics(record: dict) -> dict[str, dict]:
+    """What notebook 05 measured for a published drafter, flat: {"benchmark: drafter": metrics}. Records
+    published before 05 evaluated benchmarks hold one prompt set under `drafters`."""
+    measured = record.get("measured") or {}
+    if "benchmarks" in measured:
+        return {f"{name}: {drafter}": m for name, found in measured["benchmarks"].items()
+                for drafter, m in found.items()}
+    return dict(measured.get("drafters", {}))
+

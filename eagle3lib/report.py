@@ -13,7 +13,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 from eagle3lib import runs
-from eagle3lib.evaluate import speedup_text, tau_text
+from eagle3lib.evaluate import summary_lines, tau_text
 
 
 def _fmt(value) -> str:
@@ -59,24 +59,7 @@ def key_numbers(metrics: dict) -> list[str]:
                 f"| {name} | {_fmt(arm['initial_loss'])} | {_fmt(arm['initial_acc_0'])} | {check} | "
                 f"{_fmt(arm['final_loss'])} | {_fmt(arm['final_acc_0'])} | {_fmt(arm['predicted_tau'])} |"
             )
-    evaluate = metrics.get("05_evaluate", {})
-    if evaluate.get("drafters"):
-        best = evaluate.get("best_setting", {})
-        calibration = evaluate.get("calibration", {})
-        setting = f"{evaluate['backend']}, K {evaluate['steps']}, {evaluate.get('prompts', '?')} prompts"
-        lines += ["", f"| drafter ({setting}) | τ [95 % interval] | speedup (in decoding) "
-                  "| fastest setting: τ, speedup (in decoding) | predicted τ |",
-                  "|---|---|---|---|---|"]
-        for name, d in evaluate["drafters"].items():
-            fastest = (f"{best[name]['setting']}: {best[name]['tau']:.2f}, {speedup_text(best[name])}"
-                       if name in best else "–")
-            row = calibration.get(name)
-            predicted = f"{row['predicted_tau']:.2f} ({row['relative_error']:+.0%})" if row else "–"
-            speedup = speedup_text(d) if "speedup" in d else "–"
-            lines.append(f"| {name} | {tau_text(d)} | {speedup} | {fastest} | {predicted} |")
-        if evaluate.get("comparisons"):
-            lines += ["", "Paired comparisons on the same prompts (95 % bootstrap intervals):", ""]
-            lines += [f"- {sentence}" for sentence in evaluate["comparisons"]]
+    lines += summary_lines(metrics.get("05_evaluate", {}))
     return lines
 
 

@@ -44,7 +44,9 @@ DEFAULTS: dict[str, Any] = {
         # the target and its dtype come from the `target` section; the drafter runs in the same dtype
         "backend": "builtin",  # builtin (eagle3lib.speculate) | vllm (make vllm-setup) | sglang (a server)
         "drafter": "",  # drafter checkpoint folder (SGLang or speculators layout)
-        "corpus": "pydoc-prose",  # held-out prompts from: pydoc-prose | stdlib-code
+        # held-out prompts from: pydoc-prose | stdlib-code | sharegpt | humaneval | a conversation file or
+        # folder (first user turns) | a prompt file (.jsonl: {"prompt"} or MT-Bench {"turns"} per line)
+        "corpus": "pydoc-prose",
         "num_prompts": 16,
         "prompt_chars": 600,  # each prompt: the opening of a held-out document, at most this long
         "chat": True,  # wrap each prompt in the target's chat template
@@ -60,6 +62,9 @@ DEFAULTS: dict[str, Any] = {
     "evaluate": {  # 05_evaluate: drafters side by side on probe's target, prompts and decoding settings
         # one entry per drafter: {name: ..., path: checkpoint folder}; the integrator resolves null paths
         "drafters": [{"name": "drafter", "path": None}],
+        # every drafter on each: [{name, corpus (as probe.corpus), num_prompts (0: all of a prompt file or
+        # humaneval)}]; [] = probe.corpus alone. The K sweep and the figures use the first.
+        "benchmarks": [],
         "sample_tokens": 48,  # generated tokens shown per drafter for the first prompt
         "sweep_steps": [1, 2, 3, 4, 5],  # the K sweep: chain depths tried per drafter; [] = no sweep
         "sweep_tree": {"steps": 3, "topk": 2, "num_draft_tokens": 6},  # one small tree too; steps 0 = none

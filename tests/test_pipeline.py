@@ -28,6 +28,10 @@ CHAINED = {
         {"name": "remapped warm start", "path": "@04_finetune/drafter/drafter"},
         {"name": "warm start without remap", "path": "@04_finetune/drafter-no-remap/drafter"},
         {"name": "scratch", "path": "@04_finetune/scratch/drafter"},
+    ], "benchmarks": [
+        {"name": "code", "corpus": "stdlib-code", "num_prompts": 2},
+        {"name": "two-turn", "corpus": "tests/fixtures/benchmarks/questions.jsonl"},  # MT-Bench's form
+        {"name": "humaneval", "corpus": "humaneval", "num_prompts": 2},
     ]},
     # zoo:tiny-llama is random, so no warm start can beat chance on its data: the check is reported only
     "train": {"arms": ["drafter", "drafter-no-remap", "scratch"], "drafter": SOURCE, "allow_no_remap": True,
@@ -66,13 +70,19 @@ def test_smoke_recipe_runs_all_six_notebooks_chained(smoke_run, tmp_path):
     assert remap["proof"]["passed"] and remap["proof"]["max_abs_diff"] == 0.0
     assert remap["shared"] == diff["intersection"]
     assert set(metrics["04_finetune"]["arms"]) == {"drafter", "drafter-no-remap", "scratch"}
-    evaluated = metrics["05_evaluate"]["drafters"]
-    assert list(evaluated) == [entry["name"] for entry in CHAINED["evaluate"]["drafters"]]
-    assert all(d["matches_target"] == 1.0 for d in evaluated.values())
-    assert all(d["tau_low"] <= d["tau"] <= d["tau_high"] and d["tau_interval_unit"] == "rounds"
-               for d in evaluated.values())  # 2 prompts: too few to resample prompts
     evaluation = metrics["05_evaluate"]
-    assert len(evaluation["comparisons"]) == 6  # every pair of the 4 drafters, on the same prompts
+    assert list(evaluation["benchmarks"]) == ["code", "two-turn", "humaneval"]
+    assert evaluation["prompts"] == {"code": 2, "two-turn": 4, "humaneval": 2}  # both turns of 2 questions
+    assert "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in \
+        evaluation["setting"] and "vLLM num_speculative_tokens 3" in evaluation["setting"]
+    for evaluated in evaluation["benchmarks"].values():
+        assert list(evaluated) == [entry["name"] for entry in CHAINED["evaluate"]["drafters"]]
+        assert all(d["matches_target"] == 1.0 for d in evaluated.values())
+        assert all(d["tau_low"] <= d["tau"] <= d["tau_high"] and d["tau_interval_unit"] == "rounds"
+                   for d in evaluated.values())  # 2 or 4 prompts: too few to resample prompts
+        # every pair of the 4 drafters on the same prompts, per benchmark
+    assert [len(found) for found in evaluation["comparisons"].values()] == [6, 6, 6]
+    evaluated = evaluation["benchmarks"]["code"]
     assert set(evaluation["best_setting"]) == set(evaluated)
     assert set(evaluation["calibration"]) == {"remapped warm start", "warm start without remap", "scratch"}
     assert all((run_dir / figure).stat().st_size > 0 for figure in evaluation["figures"])
@@ -82,7 +92,7 @@ def test_smoke_recipe_runs_all_six_notebooks_chained(smoke_run, tmp_path):
     record = publish.verify(published)
     assert record["command"] == "pytest" and record["steps"] == 4 and len(record["training_curve"]) == 2
     assert record["commit"] == metrics["provenance"][-1]["git commit"]  # the commit that ran 04
-    assert record["measured"]["drafters"]["scratch"]["tau"] == evaluated["scratch"]["tau"]
+    assert record["measured"]["benchmarks"]["code"]["scratch"]["tau"] == evaluated["scratch"]["tau"]
     drafter, load_report = load_drafter(published, strict=True)
     assert drafter.lm_head.weight.dtype == torch.bfloat16 and not load_report.missing
     weights = published / "model.safetensors"
@@ -94,6 +104,7 @@ def test_smoke_recipe_runs_all_six_notebooks_chained(smoke_run, tmp_path):
     summary = report.write_summary(run_dir).read_text()
     assert f"{diff['positions_equal']:,} of {diff['positions_compared']:,} draft positions agree" in summary
     assert "| warm start without remap |" in summary and "| drafter-no-remap |" in summary
+    assert "| drafter | code (2) | two-turn (4) | humaneval (2) | mean τ |" in summary
     assert "## What we found" not in summary and "05_evaluate" in summary
 
 

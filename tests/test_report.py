@@ -32,12 +32,16 @@ def test_summary_holds_metrics_findings_figures_and_times(tmp_path):
     run.write_metrics("04_finetune", {"arms": {"drafter": arm}})
     remapped = {"tau": 2.25, "tau_low": 2.1, "tau_high": 2.4, "speedup": 1.4, "decode_speedup": 1.8}
     run.write_metrics("05_evaluate", {
-        "backend": "builtin", "steps": 3, "prompts": 16,
-        "drafters": {"fine-tuned with remap": remapped, "trained from scratch": {"tau": 1.5, "speedup": 0.9}},
+        "backend": "builtin", "steps": 3, "setting": "SGLang 3/1/4", "max_new_tokens": 64,
+        "prompts": {"sharegpt": 16, "humaneval": 8},
+        "benchmarks": {"sharegpt": {"fine-tuned with remap": remapped,
+                                    "trained from scratch": {"tau": 1.5, "speedup": 0.9}},
+                       "humaneval": {"fine-tuned with remap": {"tau": 2.75},
+                                     "trained from scratch": {"tau": 1.7}}},
         "best_setting": {"fine-tuned with remap": {"setting": "chain K=2", "tau": 2.0, "speedup": 1.5,
                                                    "decode_speedup": 1.9}},
         "calibration": {"fine-tuned with remap": {"predicted_tau": 2.5, "relative_error": 0.111}},
-        "comparisons": ["fine-tuned with remap > trained from scratch (τ difference +0.75, ...)"],
+        "comparisons": {"sharegpt": ["fine-tuned with remap > trained from scratch (τ difference +0.75)"]},
     })
     run.write_metrics("wall_seconds", {"02_diff_vocab_maps": 12.0})
     executed_notebook(tmp_path / "02_diff_vocab_maps.ipynb", "22 of 2,048 positions agree.")
@@ -47,11 +51,12 @@ def test_summary_holds_metrics_findings_figures_and_times(tmp_path):
     text = report.write_summary(tmp_path).read_text()
     assert "22 of 2,048 draft positions agree (first divergence at 5)" in text
     assert "| drafter | 3.500 | 0.400 | passed | 2.000 | 0.600 | 1.900 |" in text
-    row = ("| fine-tuned with remap | 2.25 [2.10, 2.40] | 1.40x (1.80x in decoding) "
+    assert "| drafter | sharegpt (16) | humaneval (8) | mean τ |" in text
+    row = ("| fine-tuned with remap | 2.25 [2.10, 2.40] | 2.75 | 2.50 | 1.40x (1.80x in decoding) "
            "| chain K=2: 2.00, 1.50x (1.90x in decoding) | 2.50 (+11%) |")
     assert row in text
-    assert "| trained from scratch | 1.50 | 0.90x | – | – |" in text
-    assert "- fine-tuned with remap > trained from scratch (τ difference +0.75, ...)" in text
+    assert "| trained from scratch | 1.50 | 1.70 | 1.60 | 0.90x | – | – |" in text
+    assert "- sharegpt: fine-tuned with remap > trained from scratch (τ difference +0.75)" in text
     assert "22 of 2,048 positions agree." in text  # the executed notebook's own words
     assert "![coverage](02_diff_vocab_maps/coverage.png)" in text
     assert "| 02_diff_vocab_maps | 12.0 |" in text

@@ -1,0 +1,171 @@
+"""Evaluation prompts (notebooks 01 and 05): where they come from, and how they become the target's input.
+
+A benchmark's `corpus` is one of:
+- a zoo text corpus (`stdlib-code`, `pydoc-prose`): openings of held-out documents, asked about in a chat
+  turn;
+- a conversation corpus (`sharegpt`, or a conversation file or folder): the first user turn (and system
+  prompt) of held-out conversations, never in the training split;
+- `humaneval`: the HumanEval problems, asked as SpecForge's benchmark asks;
+- a prompt file (`.jsonl`, optionally `.gz`): one `{"prompt": str}` per line, or MT-Bench's `question.jsonl`
+  (`{"question_id", "category", "turns": [str, ...]}`), whose turns are asked in order, each on the target's
+  own reply to the turn before (as SGLang's MT-Bench benchmark does).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+
+from eagle3lib import zoo
+from eagle3lib.data import DataError
+from eagle3lib.runs import resolve_path
+from eagle3lib.sources import INSTRUCTIONS, corpus_kind, split_conversations
+
+PROMPT_KEYS = ("prompt", "turns")
+
+
+@dataclass(frozen=True)
+class Question:
+    id: str
+    turns: tuple[str, ...]  # user turns, asked in order
+    system: str | None = None
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    corpus: str
+    num_prompts: int  # 0 = every question the source holds (prompt files, humaneval)
+
+    @classmethod
+    def from_params(cls, entry: dict, where: str) -> Benchmark:
+        if not isinstance(entry, dict) or not {"name", "corpus"} <= set(entry) <= {
+            "name",
+            "corpus",
+            "num_prompts",
+        }:
+            raise DataError(f"{where}: expected {{name, corpus, num_prompts}}, got {entry!r}")
+        return cls(str(entry["name"]), str(entry["corpus"]), int(entry.get("num_prompts", 0)))
+
+
+def is_prompt_file(corpus: str) -> bool:
+    """A `.jsonl` file whose first record holds `prompt` or `turns` (not `conversations`/`messages`)."""
+    path = resolve_path(corpus)
+    if corpus in zoo.CORPORA or corpus in zoo.PROMPT_SETS or corpus in zoo.CONVERSATION_CORPORA:
+        return False
+    if not path.is_file() or not path.name.removesuffix(".gz").endswith(".jsonl"):
+        return False
+    first = next((line for line in _lines(path) if line.strip()), "{}")
+    try:
+        return bool(set(json.loads(first)) & set(PROMPT_KEYS))
+    except (json.JSONDecodeError, TypeError):
+        return False
+
+
+def _lines(path: Path) -> list[str]:
+    raw = path.read_bytes()
+    return (gzip.decompress(raw) if path.name.endswith(".gz") else raw).decode("utf-8").splitlines()
+
+
+def prompt_file_questions(path: Path) -> list[Question]:
+    questions = []
+    for number, line in enumerate(_lines(path), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{where}: not JSON ({err.msg} at column {err.colno})") from err
+        if not isinstance(record, dict) or not set(record) & set(PROMPT_KEYS):
+            raise DataError(f"{where}: expected a 'prompt' string or MT-Bench 'turns' list")
+        turns = record["turns"] if "turns" in record else [record["prompt"]]
+        if (
+            not isinstance(turns, list)
+            or not turns
+            or not all(isinstance(t, str) and t.strip() for t in turns)
+        ):
+            raise DataError(
+                f"{where}: '{'turns' if 'turns' in record else 'prompt'}' must hold non-empty strings"
+            )
+        questions.append(Question(str(record.get("question_id", record.get("id", number))), tuple(turns)))
+    return questions
+
+
+def questions(
+    corpus: str, num_prompts: int, prompt_chars: int = 600, heldout_fraction: float = 0.1, seed: int = 0
+) -> list[Question]:
+    """The first `num_prompts` questions of a source (0: all of a prompt file or of humaneval)."""
+    count = num_prompts or None
+    if corpus == zoo.HUMANEVAL:
+        found = [Question(task, (text,)) for task, text in zoo.humaneval_prompts()[:count]]
+    elif is_prompt_file(corpus):
+        found = prompt_file_questions(resolve_path(corpus))[:count]
+    elif corpus_kind(corpus) == "documents":
+        if not num_prompts:
+            raise DataError(f"corpus {corpus!r}: give num_prompts (its held-out documents are many)")
+        texts = zoo.heldout_prompts(
+            corpus, num_prompts, max_chars=prompt_chars, heldout_fraction=heldout_fraction, seed=seed
+        )
+        found = [
+            Question(f"{corpus}#{i}", (f"{INSTRUCTIONS[corpus]}\n\n{text}",)) for i, text in enumerate(texts)
+        ]
+    else:
+        if not num_prompts:
+            raise DataError(f"corpus {corpus!r}: give num_prompts (its held-out conversations are many)")
+        held = islice(split_conversations(corpus, "heldout", heldout_fraction), num_prompts)
+        found = [Question(c.id, (c.user_turns()[0],), c.system_prompt()) for c in held]
+    if num_prompts and len(found) < num_prompts:
+        raise DataError(
+            f"corpus {corpus!r} holds {len(found)} evaluation prompts; {num_prompts} were asked for"
+        )
+    return found
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def prompt_ids(
+    tokenizer, found: list[Question], reply: Callable[[list[list[int]]], list[str]] | None = None
+) -> list[list[int]]:
+    """Every turn of every question as the target's chat input, turn by turn: the first turns, then each
+    later turn on the conversation so far with `reply`'s answers (the target's own) to the turn before."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("the target's tokenizer has no chat template; these prompts are chat turns")
+    histories = [[{"role": "system", "content": q.system}] if q.system else [] for q in found]
+    prompts: list[list[int]] = []
+    prompts_of_turn: dict[int, list[int]] = {}
+    for turn in range(max(len(q.turns) for q in found)):
+        asked = [i for i, q in enumerate(found) if turn < len(q.turns)]
+        if turn and reply is None:
+            raise DataError(
+                "a multi-turn benchmark needs the target's own replies to earlier turns; this "
+                "backend cannot give them (use probe.backend builtin)"
+            )
+        if turn:
+            earlier = [prompts_of_turn[i] for i in asked]
+            for i, text in zip(asked, reply(earlier), strict=True):
+                histories[i].append({"role": "assistant", "content": text})
+        for i in asked:
+            histories[i].append({"role": "user", "content": found[i].turns[turn]})
+        prompts_of_turn = {i: chat_ids(tokenizer, histories[i]) for i in asked}
+        prompts += [prompts_of_turn[i] for i in asked]
+    return prompts
+
+
+def plain_ids(
+    tokenizer, corpus: str, num_prompts: int, prompt_chars: int, heldout_fraction: float = 0.1, seed: int = 0
+) -> list[list[int]]:
+    """Held-out document openings without a chat template (`probe.chat: false`, text corpora only)."""
+    if corpus_kind(corpus) != "documents" or is_prompt_file(corpus):
+        raise DataError(f"probe.chat false takes a text corpus ({', '.join(zoo.CORPORA)}), not {corpus!r}")
+    texts = zoo.heldout_prompts(
+        corpus, num_prompts, max_chars=prompt_chars, heldout_fraction=heldout_fraction, seed=seed
+    )
+    return [list(tokenizer(text)["input_ids"]) for text in texts]
