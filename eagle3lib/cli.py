@@ -359,12 +359,13 @@ def _regenerate(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens,
         dtype=args.dtype, url=args.url, model=args.model)
     settings.check()
-    if args.engine == "builtin":
+    if args.engine == "server":  # a GPU host's model: its tokenizer and config, not its weights, here
+        target = regenerate.TargetFacts.read(args.target)
+    else:  # loaded here for its fingerprint (vllm decodes with its own copy)
         from eagle3lib.target import Target
 
-        target = Target.load(args.target, dtype=args.dtype)
-    else:
-        target = regenerate.TargetFacts.read(args.target)
+        target = Target.load(args.target, dtype=args.dtype if args.engine == "builtin" else "float32",
+                             device="auto" if args.engine == "builtin" else "cpu")
     renderer = ChatRenderer(target.tokenizer, target.stop_token_ids)
     path, truncated_ok = sources.conversation_source(args.file)
     if args.split == "all":

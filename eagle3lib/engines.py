@@ -122,38 +122,6 @@ def drafter_entries(entries: list, key: str = "evaluate.drafters") -> dict[str, 
     return found
 
 
-def markdown_table(results: dict[str, dict]) -> str:
-    """One row per probe: τ, acceptance at each position, speed and speedup where measured."""
-    columns = [
-        ("tau", "τ [95 % interval]", "{:.2f}"),
-        ("acceptance_per_position", "accept by position", None),
-        ("tokens_per_s", "tok/s", "{:.1f}"),
-        ("target_tokens_per_s", "target tok/s", "{:.1f}"),
-        ("speedup", "speedup", "{:.2f}×"),
-        ("decode_speedup", "in decoding", "{:.2f}×"),
-        ("ideal_speedup", "ideal", "{:.2f}×"),
-        ("efficiency", "efficiency", "{:.0%}"),
-    ]
-    lines = ["| drafter | " + " | ".join(title for _, title, _ in columns) + " |"]
-    lines.append("|---" * (len(columns) + 1) + "|")
-    for name, metrics in results.items():
-        cells = []
-        for key, _, form in columns:
-            value = metrics.get(key)
-            if value is None:
-                cells.append("–")
-            elif key == "tau":
-                from eagle3lib.evaluate import tau_text
-
-                cells.append(tau_text(metrics))
-            elif form is None:
-                cells.append(" / ".join(f"{v:.2f}" for v in value))
-            else:
-                cells.append(form.format(value))
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def probe(
     backend: str,
     target,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagle3lib import engines
+from eagle3lib import engines, evaluate
 from eagle3lib.checkpoint import save_drafter
 from eagle3lib.config import DrafterConfig, read_config
 from eagle3lib.model import Eagle3Drafter
@@ -154,7 +154,7 @@ def test_drafter_entries_are_checked_by_place():
 
 
 def test_markdown_table_shows_what_each_backend_measured():
-    table = engines.markdown_table({
+    table = evaluate.markdown_table({
         "builtin": {"tau": 2.5, "tau_low": 2.25, "tau_high": 2.75, "acceptance_per_position": [0.8, 0.5],
                     "tokens_per_s": 10.0, "speedup": 1.7},
         "sglang": {"tau": 3.0, "acceptance_per_position": None, "tokens_per_s": 50.0},

@@ -33,12 +33,16 @@ def test_01_then_05_under_smoke_params(tmp_path):
 
     evaluated = run_notebook("05_evaluate", tmp_path)
     names = [entry["name"] for entry in params["evaluate"]["drafters"]]
-    assert list(evaluated["drafters"]) == names
+    assert list(evaluated["benchmarks"]) == [params["probe"]["corpus"]]  # no benchmarks: probe's prompts
+    found = evaluated["benchmarks"][params["probe"]["corpus"]]
+    assert list(found) == names
     for name in names:
-        assert evaluated["drafters"][name]["matches_target"] == 1.0
-        assert len(evaluated["drafters"][name]["acceptance_per_position"]) == steps
+        assert found[name]["matches_target"] == 1.0
+        assert len(found[name]["acceptance_per_position"]) == steps
     step = tmp_path / "05_evaluate"
     for name in ("acceptance_by_position.png", "tau_and_speedup.png", "speculation_costs.png", "table.md"):
         assert (step / name).stat().st_size > 0, name
     table = (step / "table.md").read_text().splitlines()
     assert [line.split(" | ")[0].removeprefix("| ") for line in table[2:]] == names
+    probe = params["probe"]
+    assert table[0] == f"| drafter | {probe['corpus']} ({probe['num_prompts']}) | mean τ |"
