@@ -121,9 +121,11 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
 @command("train", "fine-tune the recipe's arms (04_finetune without the notebook; torchrun when "
          "train.nproc > 1)", _train_arguments)
 def _train(args: argparse.Namespace) -> int:
-    from eagle3lib import train
+    from eagle3lib import runs, train
 
     params, out, run_dir = train.recipe_for_training(args.params, args.param, args.out, args.run_dir)
+    # as `eagle3 run` does for its notebooks: what trained these arms, for `eagle3 publish`
+    runs.record_provenance(runs.Run.open(run_dir, runs.load_params(args.params, args.param)), ["04_finetune"])
     results = train.train_arms(params, out, run_dir=run_dir, resume=args.resume)
     print(f"eagle3 train: {train.findings(results)}")
     for arm, result in results.items():
@@ -258,6 +260,85 @@ def _convert(args: argparse.Namespace) -> int:
     print(f"eagle3 convert: {report.path} ({report.layout}; {report.summary()}) → {args.output} ({args.to})")
     for note in report.notes:
         print(f"eagle3 convert: note: {note}")
+    return 0
+
+
+def _probe_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("drafters", nargs="+", help="drafter checkpoint folders (SGLang or speculators layout)")
+    p.add_argument("--target", required=True, help="a local Hugging Face folder or zoo:<name>")
+    p.add_argument("--corpus", required=True, help="the prompts, as probe.corpus: sharegpt, humaneval, "
+                   "stdlib-code, pydoc-prose, a conversation file or a prompt file")
+    p.add_argument("--num-prompts", type=int, default=32, help="0: all of a prompt file or of humaneval")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--steps", type=int, default=3, help="chain draft depth K")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--dtype", default="float32", help="the target's dtype (float32: greedy output exact)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true", help="one JSON object per drafter")
+
+
+@command("probe", "τ of drafters on held-out prompts, as notebook 01 measures it (builtin engine, greedy)",
+         _probe_arguments)
+def _probe(args: argparse.Namespace) -> int:
+    import json
+
+    from eagle3lib import engines, evaluate
+    from eagle3lib.speculate import DraftSettings, PrefillCache
+
+    target, tokenizer = engines.open_target(args.target, "builtin", args.dtype, args.device)
+    reply = engines.target_replies(target, args.max_new_tokens, args.batch_size)
+    prompts = engines.probe_prompts(tokenizer, args.corpus, args.num_prompts, 600, True, reply)
+    reuse, baseline = PrefillCache(), None
+    for drafter in args.drafters:
+        result = engines.probe("builtin", target, drafter, prompts, DraftSettings(steps=args.steps),
+                               args.max_new_tokens, batch_size=args.batch_size, baseline=baseline,
+                               reuse=reuse)
+        baseline, m = result.baseline, result.metrics
+        if args.json:
+            keys = ("tau", "tau_low", "tau_high", "tau_interval_unit", "acceptance_per_position", "speedup",
+                    "matches_target", "prompts")
+            print(json.dumps({"drafter": drafter, "corpus": args.corpus, "steps": args.steps,
+                              "max_new_tokens": args.max_new_tokens, **{k: m.get(k) for k in keys}}))
+        else:
+            print(f"eagle3 probe: {drafter}: τ {evaluate.tau_text(m)} on {m['prompts']} {args.corpus} "
+                  f"prompts x {args.max_new_tokens} tokens, K {args.steps} ({result.notes[0]})")
+    return 0
+
+
+def _curve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("arm_folder", help="a trained arm, e.g. outputs/<run>/04_finetune/scratch (its "
+                   "checkpoints/ and drafter/)")
+    p.add_argument("--target", required=True, help="a local Hugging Face folder or zoo:<name>")
+    p.add_argument("--benchmark", action="append", required=True, metavar="CORPUS:N",
+                   help="prompts to measure on, e.g. sharegpt:32 or humaneval:32 (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--steps", type=int, default=3, help="chain draft depth K")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--dtype", default="float32", help="the target's dtype (float32: greedy output exact)")
+    p.add_argument("--device", default="auto")
+
+
+@command("curve", "τ of a trained arm's checkpoints against the tokens it trained on (learning_curve.json)",
+         _curve_arguments)
+def _curve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from eagle3lib import engines, evaluate, plots
+    from eagle3lib.benchmarks import Benchmark
+    from eagle3lib.speculate import DraftSettings
+
+    benchmarks = []
+    for item in args.benchmark:
+        corpus, _, count = item.rpartition(":")
+        if not corpus or not count.isdigit():
+            raise ValueError(f"--benchmark {item!r}: expected CORPUS:N, e.g. sharegpt:32")
+        benchmarks.append(Benchmark(corpus, corpus, int(count)))
+    target, tokenizer = engines.open_target(args.target, "builtin", args.dtype, args.device)
+    curve = evaluate.learning_curve(Path(args.arm_folder), target, tokenizer, benchmarks,
+                                    DraftSettings(steps=args.steps), args.max_new_tokens, args.batch_size,
+                                    log=lambda line: print(f"eagle3 curve: {line}", flush=True))
+    plots.learning_curve(curve, Path(args.arm_folder) / "learning_curve.png")
+    print(f"eagle3 curve: {Path(args.arm_folder) / evaluate.LEARNING_CURVE}")
     return 0
 
 

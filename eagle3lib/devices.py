@@ -46,10 +46,14 @@ def cpu_model() -> str:
 
 
 def machine_description() -> str:
-    """'Intel(R) Xeon(R) Processor, 2 cores, bf16 units: amx_bf16, avx512_bf16 (torch AVX512)'."""
+    """'Intel(R) Xeon(R) Processor, 2 threads, bf16 units: amx_bf16, avx512_bf16 (torch AVX512)', and the
+    GPU where there is one."""
     units = [flag for flag in BF16_CPU_FLAGS if flag in cpu_flags()]
-    return (f"{cpu_model()}, {torch.get_num_threads()} threads, bf16 units: {', '.join(units) or 'none'} "
-            f"(torch {torch.backends.cpu.get_cpu_capability()})")
+    found = (f"{cpu_model()}, {torch.get_num_threads()} threads, bf16 units: {', '.join(units) or 'none'} "
+             f"(torch {torch.backends.cpu.get_cpu_capability()})")
+    if torch.cuda.is_available():
+        found += f"; GPU {torch.cuda.get_device_name()}"
+    return found
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -401,3 +401,40 @@ def evaluate_drafters(
             )
     evaluation.calibration = calibration(evaluation.first, drafters, settings.steps)
     return evaluation
+
+
+LEARNING_CURVE = "learning_curve.json"
+
+
+def learning_curve(arm_folder: Path, target, tokenizer, benchmarks: list[Benchmark], settings: DraftSettings,
+                   max_new_tokens: int, batch_size: int, log: Callable[[str], None] = print) -> dict:
+    """τ of every checkpoint a trained arm kept and of its final drafter, per benchmark, against the tokens in
+    the loss it had trained on by then (the `rows` of its metrics.jsonl): what more training data buys.
+    Written to `<arm>/learning_curve.json`."""
+    from eagle3lib import engines, runs, speculate
+
+    arm_folder = Path(arm_folder)
+    logged = [json.loads(line) for line in (arm_folder / "metrics.jsonl").read_text().splitlines()]
+    final_step = json.loads((arm_folder / "summary.json").read_text())["steps"]
+    checkpoints = sorted(arm_folder.glob("checkpoints/step_*"))
+    points = [(int(p.name.removeprefix("step_")), p / "drafter") for p in checkpoints]
+    if not points or points[-1][0] != final_step:
+        points.append((final_step, arm_folder / "drafter"))
+    reply = engines.target_replies(target, max_new_tokens, batch_size)
+    found = {}
+    for benchmark in benchmarks:
+        prompts = engines.probe_prompts(tokenizer, benchmark.corpus, benchmark.num_prompts, 600, True, reply)
+        reuse, baseline, rows = speculate.PrefillCache(), None, []
+        for step, drafter in points:
+            result = engines.probe("builtin", target, drafter, prompts, settings, max_new_tokens,
+                                   batch_size=batch_size, baseline=baseline, reuse=reuse)
+            baseline, m = result.baseline, result.metrics
+            loss_tokens = sum(entry["rows"] for entry in logged if entry["step"] <= step)
+            rows.append({"step": step, "loss_tokens": loss_tokens, "tau": m["tau"], "tau_low": m["tau_low"],
+                         "tau_high": m["tau_high"]})
+            log(f"{benchmark.name}: step {step} ({loss_tokens:,} loss tokens): τ {tau_text(m)}")
+        found[benchmark.name] = rows
+    curve = {"setting": engine_terms(settings), "max_new_tokens": max_new_tokens,
+             "prompts": {b.name: b.num_prompts for b in benchmarks}, "benchmarks": found}
+    runs.atomic_write_text(arm_folder / LEARNING_CURVE, json.dumps(curve, indent=1) + "\n")
+    return curve

@@ -120,6 +120,24 @@ def benchmark_taus(metrics: dict[str, dict[str, dict]], path: str | os.PathLike 
     return _finish(fig, path)
 
 
+def learning_curve(curve: dict, path: str | os.PathLike | None = None) -> Figure:
+    """τ (95 % interval) against the tokens in the loss trained on, per benchmark."""
+    fig, axis = plt.subplots(figsize=(7.5, 4.2))
+    for name, rows in curve["benchmarks"].items():
+        x = [r["loss_tokens"] for r in rows]
+        y = [r["tau"] for r in rows]
+        errors = [[r["tau"] - r["tau_low"] for r in rows], [r["tau_high"] - r["tau"] for r in rows]]
+        label = f"{name} ({curve['prompts'][name]} prompts)"
+        axis.errorbar(x, y, yerr=errors, marker="o", capsize=3, label=label)
+    axis.set_xscale("log")
+    axis.set_xlabel("tokens in the loss trained on (log scale)")
+    axis.set_ylabel("τ, 95 % interval")
+    axis.set_title(f"learning curve: {curve['setting'].split(' (')[0]}", fontsize=9)
+    axis.legend(fontsize=8)
+    axis.grid(alpha=0.3)
+    return _finish(fig, path)
+
+
 def depth_sweep(sweeps: dict[str, dict[str, dict]], path: str | os.PathLike | None = None) -> Figure:
     """Per drafter, across the draft settings of the K sweep: τ with its interval (left) and the measured
     wall-clock speedup over the target alone (right; the best setting of each drafter marked)."""

@@ -65,10 +65,15 @@ def publish(run_dir: Path, arm: str, out: Path, *, command: str, dtype: torch.dt
             "final_check": summary["final_check"],
             "training_curve": curve,
             "measured": metrics.get("05_evaluate"),
+            "learning_curve": _read_json(arm_folder / "learning_curve.json"),
             "sha256": {WEIGHTS: sha256(staging / WEIGHTS)},
         }
         runs.atomic_write_text(staging / PROVENANCE, json.dumps(record, indent=1) + "\n")
     return Path(out)
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def training_commit(metrics: dict) -> str:

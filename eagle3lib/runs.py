@@ -367,7 +367,10 @@ def provenance() -> dict[str, str]:
     import platform
     from importlib.metadata import PackageNotFoundError, version
 
-    found = {"git commit": git_commit(), "python": platform.python_version()}
+    from eagle3lib.devices import machine_description
+
+    found = {"git commit": git_commit(), "python": platform.python_version(),
+             "machine": machine_description()}
     for package in PROVENANCE_PACKAGES:
         try:
             found[package] = version(package)
