@@ -349,13 +349,21 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"metrics value of type {type(value).__name__} is not JSON-serialisable: {value!r}")
 
 
+GIT_COMMIT_VARIABLE = "EAGLE3LIB_GIT_COMMIT"
+
+
 def git_commit() -> str:
-    """The repository's HEAD, with '+changes' when the work tree differs from it."""
+    """The repository's HEAD, with '+changes' when the work tree differs from it. A copy of the work tree
+    without its .git (a GPU host it was copied to) reports what $EAGLE3LIB_GIT_COMMIT says it is, with
+    '(stated)'; else 'unknown'."""
     def git(*args: str) -> str:
         done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
-        return done.stdout.strip()
+        return done.stdout.strip() if done.returncode == 0 else ""
 
-    head = git("rev-parse", "HEAD") or "unknown"
+    head = git("rev-parse", "HEAD")
+    if not head:
+        stated = os.environ.get(GIT_COMMIT_VARIABLE)
+        return f"{stated} (stated)" if stated else "unknown"
     return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
