@@ -30,6 +30,7 @@ TEXT_KINDS = {"raw": "documents", "self-distill": "documents", "conversation": "
 INSTRUCTIONS = {
     "stdlib-code": "Explain what this Python code does, then suggest one improvement.",
     "pydoc-prose": "Explain the following passage from the Python documentation in your own words.",
+    "stdlib-functions": zoo.HUMANEVAL_INSTRUCTION,  # a function to write, asked as HumanEval's problems are
 }
 
 
@@ -143,11 +144,18 @@ def conversation_source(corpus: str) -> tuple[Path, bool]:
     return resolve_path(corpus), False
 
 
-def split_conversations(corpus: str, split: str, heldout_fraction: float, stats: ReadStats | None = None
-                        ) -> Iterator[Conversation]:
-    """The `train` or `heldout` conversations of a corpus, split by a hash of the conversation id."""
+def split_conversations(corpus: str, split: str, heldout_fraction: float, stats: ReadStats | None = None,
+                        prompt_chars: int = 600) -> Iterator[Conversation]:
+    """The `train` or `heldout` conversations of a corpus, split by a hash of the conversation id. A text
+    corpus gives its documents as one-turn chat prompts (the self-distillation prompts, with no reply yet):
+    what `eagle3 regenerate` answers."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    if corpus_kind(corpus) == "documents":
+        for doc in zoo.split_documents(corpus, split, heldout_fraction):
+            content = f"{INSTRUCTIONS[corpus]}\n\n{zoo.opening(doc.text, prompt_chars)}"
+            yield Conversation(doc.id, ({"role": "user", "content": content},), doc.id)
+        return
     path, truncated_ok = conversation_source(corpus)
     want = split == "heldout"
     for conversation in read_conversations(path, stats, allow_truncated=truncated_ok):

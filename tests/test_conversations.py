@@ -396,3 +396,34 @@ def test_eagle3_regenerate_writes_then_reuses_a_complete_file(tmp_path, capsys):
     assert cli.main(args) == 0  # complete with the same settings: nothing to do
     assert cli.main([*args[:-2], "--split", "train"]) == 2
     assert "exists and was made otherwise" in capsys.readouterr().err
+
+
+def test_a_text_corpus_is_regenerated_as_chat_prompts(tmp_path, capsys):
+    from eagle3lib import cli
+
+    out = tmp_path / "functions.jsonl"
+    args = [
+        "regenerate",
+        "stdlib-functions",
+        "-o",
+        str(out),
+        "--target",
+        "zoo:tiny-llama",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "3",
+        "--limit",
+        "2",
+    ]
+    assert cli.main(args) == 0
+    written = list(read_conversations(out))
+    first = next(zoo.split_documents("stdlib-functions", "train"))
+    assert written[0].id == first.id and len(written) == 2
+    user, assistant = written[0].messages
+    assert user["content"] == f"{zoo.HUMANEVAL_INSTRUCTION}\n\n{first.text}"
+    assert (
+        first.text.startswith("```python\ndef ") and '"""' in first.text and assistant["role"] == "assistant"
+    )
+    manifest = json.loads((tmp_path / "functions.manifest.json").read_text())
+    assert manifest["source"]["corpus"] == "stdlib-functions" and manifest["source"]["split"] == "train"
