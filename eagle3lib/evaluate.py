@@ -14,6 +14,7 @@ from pathlib import Path
 
 from eagle3lib import intervals
 from eagle3lib.benchmarks import Benchmark
+from eagle3lib.devices import machine_description
 from eagle3lib.speculate import DraftSettings
 
 
@@ -127,7 +128,18 @@ def best_settings(sweeps: dict[str, dict[str, dict]]) -> dict[str, dict]:
     found = {}
     for name, sweep in sweeps.items():
         label = best_setting(sweep)
-        keys = ("tau", "tau_low", "tau_high", "speedup", "decode_speedup")
+        keys = (
+            "tau",
+            "tau_low",
+            "tau_high",
+            "speedup",
+            "decode_speedup",
+            "ideal_speedup",
+            "batch_size",
+            "draft_ms_per_round",
+            "verify_ms_per_round",
+            "target_ms_per_step",
+        )
         found[name] = {"setting": label} | {key: sweep[label][key] for key in keys}
     return found
 
@@ -245,9 +257,10 @@ class Evaluation:
             lines.append("Paired: " + "; ".join(verdicts) + ".")
         for drafter, b in self.best.items():
             lines.append(
-                f"{drafter} is fastest at {b['setting']}: τ {b['tau']:.2f}, {speedup_text(b)} the "
-                "target alone."
+                f"{drafter} is fastest at {b['setting']} at batch {b['batch_size']}: τ {b['tau']:.2f}, "
+                f"{speedup_text(b)} the target alone."
             )
+        lines += fastest_lines(self.best, machine_description())[1:]
         for drafter, row in self.calibration.items():
             lines.append(
                 f"{drafter}: predicted τ {row['predicted_tau']:.2f} vs measured {row['measured_tau']:.2f} "
@@ -286,7 +299,26 @@ class Evaluation:
             "comparisons": {name: [c.sentence() for c in found] for name, found in self.comparisons.items()},
             "best_setting": self.best,
             "calibration": self.calibration,
+            "machine": machine_description(),
         }
+
+
+def fastest_lines(best: dict[str, dict], machine: str) -> list[str]:
+    """The fastest setting of the fastest drafter at the sweep's batch, and what bounds it on this machine:
+    the cost of a (K+1)-token verification against a one-token step, and the speedup τ allows there."""
+    if not best:
+        return []
+    name = max(best, key=lambda d: best[d]["speedup"])
+    b = best[name]
+    verify_cost = b["verify_ms_per_round"] / b["target_ms_per_step"]
+    return [
+        "",
+        f"Fastest at batch {b['batch_size']} on {machine}: {name} at {b['setting']}, τ {b['tau']:.2f}, "
+        f"{speedup_text(b)} the target alone. Here a verification costs {verify_cost:.2f}x a one-token "
+        f"step ({b['verify_ms_per_round']:.1f} vs {b['target_ms_per_step']:.1f} ms) and drafting "
+        f"{b['draft_ms_per_round']:.1f} ms a round, so τ {b['tau']:.2f} allows at most "
+        f"{b['ideal_speedup']:.2f}x in decoding.",
+    ]
 
 
 def summary_lines(stored: dict) -> list[str]:
@@ -319,6 +351,7 @@ def summary_lines(stored: dict) -> list[str]:
         lines.append(
             f"| {drafter} | " + " | ".join(cells) + f" | {mean:.2f} | {speedup} | {fastest} | {predicted} |"
         )
+    lines += fastest_lines(best, stored.get("machine", "this machine"))
     sentences = [f"{name}: {s}" for name, found in stored.get("comparisons", {}).items() for s in found]
     if sentences:
         lines += ["", "Paired comparisons on the same prompts (95 % bootstrap intervals):", ""]
@@ -341,7 +374,7 @@ def evaluate_drafters(
     )
     builtin = p["backend"] == "builtin"
     reply = engines.target_replies(target, p["max_new_tokens"], p["batch_size"])
-    metrics, outputs, comparisons, prompt_counts, first_probe = {}, {}, {}, {}, None
+    metrics, outputs, comparisons, prompt_counts, first_prompts = {}, {}, {}, {}, None
     for benchmark in benchmarks_of(params):
         prompts = engines.probe_prompts(
             tokenizer, benchmark.corpus, benchmark.num_prompts, p["prompt_chars"], p["chat"], reply
@@ -369,7 +402,6 @@ def evaluate_drafters(
             state["baseline"] = result.baseline
             return result
 
-        first_probe = first_probe or probe
         found = {}
         for i, (name, path) in enumerate(drafters.items()):
             found[name] = probe(path, settings, out / f"engine_{benchmark.name}_{i}")
@@ -380,34 +412,66 @@ def evaluate_drafters(
         metrics[benchmark.name] = {name: r.metrics for name, r in found.items()}
         outputs[benchmark.name] = {name: r.outputs for name, r in found.items()}
         comparisons[benchmark.name] = comparisons_of(metrics[benchmark.name], seed=params["run"]["seed"])
+        first_prompts = first_prompts or prompts
     evaluation = Evaluation(
         p["backend"], settings, p["max_new_tokens"], prompt_counts, metrics, outputs, comparisons
     )
     if builtin and e["sweep_steps"]:
-        grid = depth_grid(e["sweep_steps"], e["sweep_tree"], p["temperature"])
-        for name, path in drafters.items():
-            evaluation.sweeps[name] = {
-                label: evaluation.first[name]
-                if grid_settings == settings
-                else first_probe(path, grid_settings, None).metrics
-                for label, grid_settings in grid.items()
-            }
-            log(
-                f"{name}: "
-                + "; ".join(
-                    f"{label} τ {m['tau']:.2f} {m['speedup']:.2f}x"
-                    for label, m in evaluation.sweeps[name].items()
-                )
-            )
+        evaluation.sweeps = sweep_depths(params, drafters, target, first_prompts[: e["sweep_prompts"]], log)
     evaluation.calibration = calibration(evaluation.first, drafters, settings.steps)
     return evaluation
+
+
+def sweep_depths(
+    params: dict,
+    drafters: dict[str, Path],
+    target,
+    prompts: list[list[int]],
+    log: Callable[[str], None] = print,
+) -> dict[str, dict[str, dict]]:
+    """Every drafter at every setting of the K sweep, `evaluate.sweep_batch_size` prompts at a time (1: one
+    user's latency, where a CPU's speculation pays; a batch of 16 is compute-bound here) on `prompts`."""
+    from eagle3lib import engines, speculate
+
+    p, e = params["probe"], params["evaluate"]
+    grid = depth_grid(e["sweep_steps"], e["sweep_tree"], p["temperature"])
+    reuse, baseline, sweeps = speculate.PrefillCache(), None, {}
+    for name, path in drafters.items():
+        sweeps[name] = {}
+        for label, settings in grid.items():
+            result = engines.probe(
+                "builtin",
+                target,
+                path,
+                prompts,
+                settings,
+                p["max_new_tokens"],
+                seed=params["run"]["seed"],
+                batch_size=e["sweep_batch_size"],
+                baseline=baseline,
+                reuse=reuse,
+            )
+            baseline, sweeps[name][label] = result.baseline, result.metrics
+        log(
+            f"{name} at batch {e['sweep_batch_size']}: "
+            + "; ".join(f"{label} τ {m['tau']:.2f} {m['speedup']:.2f}x" for label, m in sweeps[name].items())
+        )
+    return sweeps
 
 
 LEARNING_CURVE = "learning_curve.json"
 
 
-def learning_curve(arm_folder: Path, target, tokenizer, benchmarks: list[Benchmark], settings: DraftSettings,
-                   max_new_tokens: int, batch_size: int, log: Callable[[str], None] = print) -> dict:
+def learning_curve(
+    arm_folder: Path,
+    target,
+    tokenizer,
+    benchmarks: list[Benchmark],
+    settings: DraftSettings,
+    max_new_tokens: int,
+    batch_size: int,
+    log: Callable[[str], None] = print,
+) -> dict:
     """τ of every checkpoint a trained arm kept and of its final drafter, per benchmark, against the tokens in
     the loss it had trained on by then (the `rows` of its metrics.jsonl): what more training data buys.
     Written to `<arm>/learning_curve.json`."""
@@ -426,15 +490,35 @@ def learning_curve(arm_folder: Path, target, tokenizer, benchmarks: list[Benchma
         prompts = engines.probe_prompts(tokenizer, benchmark.corpus, benchmark.num_prompts, 600, True, reply)
         reuse, baseline, rows = speculate.PrefillCache(), None, []
         for step, drafter in points:
-            result = engines.probe("builtin", target, drafter, prompts, settings, max_new_tokens,
-                                   batch_size=batch_size, baseline=baseline, reuse=reuse)
+            result = engines.probe(
+                "builtin",
+                target,
+                drafter,
+                prompts,
+                settings,
+                max_new_tokens,
+                batch_size=batch_size,
+                baseline=baseline,
+                reuse=reuse,
+            )
             baseline, m = result.baseline, result.metrics
             loss_tokens = sum(entry["rows"] for entry in logged if entry["step"] <= step)
-            rows.append({"step": step, "loss_tokens": loss_tokens, "tau": m["tau"], "tau_low": m["tau_low"],
-                         "tau_high": m["tau_high"]})
+            rows.append(
+                {
+                    "step": step,
+                    "loss_tokens": loss_tokens,
+                    "tau": m["tau"],
+                    "tau_low": m["tau_low"],
+                    "tau_high": m["tau_high"],
+                }
+            )
             log(f"{benchmark.name}: step {step} ({loss_tokens:,} loss tokens): τ {tau_text(m)}")
         found[benchmark.name] = rows
-    curve = {"setting": engine_terms(settings), "max_new_tokens": max_new_tokens,
-             "prompts": {b.name: b.num_prompts for b in benchmarks}, "benchmarks": found}
+    curve = {
+        "setting": engine_terms(settings),
+        "max_new_tokens": max_new_tokens,
+        "prompts": {b.name: b.num_prompts for b in benchmarks},
+        "benchmarks": found,
+    }
     runs.atomic_write_text(arm_folder / LEARNING_CURVE, json.dumps(curve, indent=1) + "\n")
     return curve

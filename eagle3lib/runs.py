@@ -56,6 +56,7 @@ DEFAULTS: dict[str, Any] = {
         "num_draft_tokens": None,  # tree budget incl. the root; null = steps + 1 (chain), 1 + topk*steps
         "temperature": 0.0,  # 0 = greedy; > 0: rejection sampling keeps the target's distribution
         "batch_size": 8,  # builtin: prompts decoded together (τ and outputs do not depend on it; speed does)
+        "batch1_prompts": 4,  # 01 also decodes this many prompts one at a time: speed at batch 1; 0 = not
         "dtype": "",  # the target's dtype while probing; "" = target.dtype (float32: greedy output exact)
         "sglang_url": "http://127.0.0.1:30000",  # backend sglang: a server started with EAGLE3
     },
@@ -67,6 +68,8 @@ DEFAULTS: dict[str, Any] = {
         "benchmarks": [],
         "sample_tokens": 48,  # generated tokens shown per drafter for the first prompt
         "sweep_steps": [1, 2, 3, 4, 5],  # the K sweep: chain depths tried per drafter; [] = no sweep
+        "sweep_batch_size": 1,  # the sweep decodes one prompt at a time: one user's latency
+        "sweep_prompts": 4,  # the first benchmark's first prompts the sweep decodes
         "sweep_tree": {"steps": 3, "topk": 2, "num_draft_tokens": 6},  # one small tree too; steps 0 = none
     },
     "target": {  # the target model (00_prepare_data and every step that runs it), eagle3lib.target
