@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: setup demo source-drafter test lint check-notebooks lab report-check vllm-setup vllm-check bench-venv bench \
+.PHONY: setup demo source-drafter regenerated-datasets chat-drafter test lint check-notebooks lab report-check vllm-setup vllm-check bench-venv bench \
 	gpu-check interop-venv interop-check
 
 setup: $(STAMP)
@@ -38,6 +38,30 @@ source-drafter: setup
 	$(VENV)/bin/eagle3 run params/source-drafter.yaml --name $(SOURCE_RUN) --only 05
 	$(VENV)/bin/eagle3 publish outputs/$(SOURCE_RUN) --arm scratch --command "make source-drafter" \
 		-o $(SOURCE_DRAFTER)
+
+# Datasets the project regenerated and ships under datasets/ (gzipped JSON lines + manifest): every assistant turn
+# answered by SmolLM2-135M-Instruct itself through vLLM (make vllm-setup; 2 cores: about an hour each). Rerun
+# the same command after an interruption: it continues. To rebuild a shipped one, remove it first.
+regenerated-datasets: setup vllm-setup
+	$(VENV)/bin/eagle3 regenerate sharegpt -o datasets/sharegpt-smollm2.jsonl.gz --target zoo:smollm2-135m-instruct \
+		--engine vllm --max-new-tokens 384 --max-turns 2 --max-prompt-tokens 1024 --batch-size 256
+	$(VENV)/bin/eagle3 regenerate stdlib-functions -o datasets/stdlib-functions-smollm2.jsonl.gz \
+		--target zoo:smollm2-135m-instruct --engine vllm --max-new-tokens 384 --batch-size 256
+
+# The chat source drafter (params/chat-drafter.yaml): trained from scratch on datasets/sharegpt-smollm2.jsonl.gz
+# (online: the target in the loop), its learning curve, notebook 05 on the float32 drafter and its bf16 copy,
+# then published into drafters/smollm2-135m-chat. A GPU host takes minutes (train.micro_batch_size 16); on this
+# CPU pass CHAT_ARGS="-p train.micro_batch_size=1" and expect hours.
+CHAT_RUN := chat-drafter-$(shell date +%Y%m%d-%H%M%S)
+CHAT_DRAFTER ?= drafters/smollm2-135m-chat
+chat-drafter: setup
+	$(VENV)/bin/eagle3 train params/chat-drafter.yaml -p run.name=$(CHAT_RUN) $(CHAT_ARGS)
+	$(VENV)/bin/eagle3 curve outputs/$(CHAT_RUN)/04_finetune/scratch --target zoo:smollm2-135m-instruct \
+		--benchmark sharegpt:32 --benchmark humaneval:32
+	$(VENV)/bin/eagle3 publish outputs/$(CHAT_RUN) --arm scratch --command "make chat-drafter" \
+		-o outputs/$(CHAT_RUN)/published
+	$(VENV)/bin/eagle3 run params/chat-drafter.yaml --name $(CHAT_RUN) --only 05 $(CHAT_ARGS)
+	$(VENV)/bin/eagle3 publish outputs/$(CHAT_RUN) --arm scratch --command "make chat-drafter" -o $(CHAT_DRAFTER)
 
 lint: setup
 	$(VENV)/bin/ruff check .
