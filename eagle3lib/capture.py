@@ -12,7 +12,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
 from eagle3lib import zoo
@@ -31,7 +30,7 @@ from eagle3lib.data import (
     prepared_dir,
 )
 from eagle3lib.progress import progress as progress_bar
-from eagle3lib.runs import shareable, shareable_tree
+from eagle3lib.runs import save_safetensors, shareable, shareable_tree
 from eagle3lib.sources import Sample, raw_samples, self_distilled_samples
 from eagle3lib.vocab import VocabMap
 
@@ -75,7 +74,7 @@ class DataWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         staging = tempfile.mkdtemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
         self._tmp = shareable(staging)
-        save_file(
+        save_safetensors(
             {k: head[k].detach().contiguous().cpu() for k in HEAD_KEYS},
             self._tmp / "target_head.safetensors",
             metadata={
@@ -146,7 +145,7 @@ class DataWriter:
         tensors["sample_lengths"] = torch.tensor(
             [len(s["input_ids"]) for s in self._buffer], dtype=torch.long
         )
-        save_file(tensors, self._tmp / name)
+        save_safetensors(tensors, self._tmp / name)
         self.shards.append({"file": name, "num_samples": len(self._buffer), "num_tokens": self._buffered})
         self._buffer, self._buffered = [], 0
 
@@ -156,7 +155,7 @@ class DataWriter:
         if not self.shards:
             self.abort()
             raise DataError(f"{self.path}: no samples were written")
-        save_file(
+        save_safetensors(
             {"counts": self.counts, "argmax_counts": self.argmax_counts},
             self._tmp / "token_counts.safetensors",
         )

@@ -7,6 +7,7 @@ heavy imports happen inside the handlers so `eagle3 --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -276,8 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     from eagle3lib.runs import ParamsError, RunExistsError
 
     try:
-        return args.handler(args) or 0
-    except (ParamsError, RunExistsError, FileNotFoundError, ValueError) as err:
+        code = args.handler(args) or 0
+        sys.stdout.flush()  # a reader gone (`eagle3 inspect ... | head`) shows here, not in Python's exit
+        return code
+    except BrokenPipeError:
+        # nobody reads the rest: stop quietly, stdout on /dev/null so that the flush at exit fails no more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except (ParamsError, RunExistsError, OSError, ValueError) as err:  # OSError: e.g. "writing PATH: ..."
         print(f"eagle3 {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from eagle3lib.model import Eagle3Drafter
-from eagle3lib.runs import ParamsError, atomic_write_text, resolve_path
+from eagle3lib.runs import ParamsError, atomic_write_text, describe_occupant, resolve_path
 from eagle3lib.vocab import VocabMap
 
 MISSING_POLICIES = ("verifier", "mean", "zeros", "random")
@@ -341,8 +341,8 @@ def remap_checkpoint(
     from eagle3lib import checkpoint
 
     out = Path(out)
-    if out.exists():
-        raise RemapError(f"{out} exists; a remapped drafter never overwrites a checkpoint")
+    if os.path.lexists(out):
+        raise RemapError(f"{describe_occupant(out)}; a remapped drafter never overwrites a checkpoint")
     drafter, _ = checkpoint.load_drafter(source, strict=True)
     vt = drafter.config.vocab_size
     new_map = VocabMap.load(to_map, vt=vt)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -193,7 +194,11 @@ def parse_override(text: str) -> dict:
     if "=" not in text:
         raise ParamsError(f"override {text!r}: expected key=value, e.g. train.steps=100")
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        reason = getattr(err, "problem", None) or " ".join(str(err).split())
+        raise ParamsError(f"override {text!r}: the value is not valid YAML ({reason})") from err
     nested: dict = {}
     node = nested
     parts = key.strip().split(".")
@@ -389,18 +394,36 @@ def shareable_tree(folder: str | os.PathLike) -> Path:
     return shareable(folder)
 
 
+def describe_occupant(path: Path) -> str:
+    """Why `path` is taken, for a refusal: a dangling symbolic link is taken too (a rename onto it fails)."""
+    if path.is_symlink() and not path.exists():
+        return f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
+    return f"{path} exists"
+
+
+def make_folder(path: Path) -> Path:
+    """`path` as a folder, made with its parents where missing; one of them that is a file or a dangling
+    symbolic link is named."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as err:
+        blocker = next((p for p in (path, *path.parents) if os.path.lexists(p) and not p.is_dir()), path)
+        raise FileExistsError(f"{describe_occupant(blocker)}, not a folder: cannot write {path}") from err
+    return path
+
+
 @contextmanager
 def staged_folder(path: Path, replace: bool = False) -> Iterator[Path]:
     """A temporary folder beside `path` to fill: renamed to `path` when the block ends without an error (with
     the umask's permissions for all it holds), removed otherwise, so `path` never holds a half-written
     folder. An existing `path` is refused, or with `replace` moved aside first, so that the rename itself
     stays atomic."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(path.parent)
     staging = shareable(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         yield staging
         shareable_tree(staging)
-        if not path.exists():
+        if not os.path.lexists(path):
             os.replace(staging, path)
         elif replace:
             old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
@@ -408,19 +431,51 @@ def staged_folder(path: Path, replace: bool = False) -> Iterator[Path]:
             os.replace(staging, path)
             shutil.rmtree(old)
         else:
-            raise FileExistsError(f"{path} exists; refusing to replace it")
+            raise FileExistsError(f"{describe_occupant(path)}; refusing to replace it")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
+class WriteError(OSError):
+    """A file that could not be written; the message names it and the system's reason."""
+
+
+def write_failure(path: str | os.PathLike, err: BaseException) -> WriteError:
+    """`err`, raised while writing `path`, as "writing PATH: REASON" (e.g. No space left on device). The
+    reason is the OSError behind it: its own, the one a failed write left as its context (torch.save into a
+    file object), or the "os error N" in a safetensors message."""
+    cause: BaseException | None = err
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno):
+        cause = cause.__cause__ or cause.__context__
+    code = cause.errno if cause is not None else None
+    if code is None and (found := re.search(r"os error ([0-9]+)", str(err))):
+        code = int(found[1])
+    failure = WriteError(f"writing {path}: {os.strerror(code) if code else err}")
+    failure.errno = code
+    return failure
+
+
+def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
+    """safetensors' `save_file`, with a failure named by `write_failure`."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except Exception as err:  # safetensors raises its own error type for I/O errors
+        raise write_failure(path, err) from err
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write to a temporary file beside `path`, then rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(text)
+        except OSError as err:
+            raise write_failure(path, err) from err
         os.replace(shareable(tmp), path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

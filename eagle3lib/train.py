@@ -338,7 +338,7 @@ def train_arm(arm: str, params: dict, out: Path, data: TrainingData, procs: Proc
     if folder.exists() and any(folder.iterdir()) and not resume:
         raise runs.RunExistsError(f"{folder} already holds a run; pass --resume to continue it")
     procs.barrier()  # every rank has looked before rank 0 writes
-    folder.mkdir(parents=True, exist_ok=True)
+    runs.make_folder(folder)
     log = _logger(folder / "log.txt", procs)
     start = time.perf_counter()
 
@@ -493,7 +493,7 @@ def train_stand_in(params: dict, run_dir: Path, target_fingerprint: str, cache: 
 
 def launch(params: dict, out: Path, run_dir: Path | None = None, resume: bool = False) -> None:
     """Run `torchrun --nproc_per_node N -m eagle3lib.train` on these params, echoing its log as it goes."""
-    out.mkdir(parents=True, exist_ok=True)
+    runs.make_folder(out)
     params_file = out / "train_params.yaml"
     runs.atomic_write_text(params_file, yaml.safe_dump(params, sort_keys=False))
     command = [

@@ -375,7 +375,7 @@ class Trainer:
         if self.procs.main:
             with runs.staged_folder(path, replace=True) as staging:
                 save_drafter(self.drafter, staging / "drafter", layout="sglang")
-                torch.save(
+                save_state(
                     {
                         "step": self.step,
                         "optimizer": self.optimizer.state_dict(),
@@ -428,6 +428,16 @@ class Trainer:
             kept = [line for line in lines if json.loads(line)["step"] <= self.step]
             runs.atomic_write_text(metrics_path, "".join(line + "\n" for line in kept))
         self.log(f"resumed from {path} at step {self.step}")
+
+
+def save_state(state: dict, file: Path) -> None:
+    """torch.save into a file object of ours, so that a failed write says why (torch's own file writer
+    reports only "enforce fail at inline_container.cc")."""
+    try:
+        with open(file, "wb") as handle:
+            torch.save(state, handle)
+    except Exception as err:
+        raise runs.write_failure(file, err) from err
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:

@@ -18,9 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from eagle3lib.runs import shareable
+from eagle3lib.runs import save_safetensors, shareable
 
 
 class VocabMapError(ValueError):
@@ -252,7 +251,7 @@ class VocabMap:
         os.close(fd)
         try:
             metadata = {"vd": str(self.vd), "vt": str(self.vt)}
-            save_file({"d2t": self.d2t, "t2d": self.t2d}, tmp, metadata=metadata)
+            save_safetensors({"d2t": self.d2t, "t2d": self.t2d}, tmp, metadata=metadata)
             os.replace(shareable(tmp), path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -263,3 +264,15 @@ def test_cli_remap_refuses_a_bad_map_naming_the_file(tmp_path, capsys):
     assert cli.main(args) == 2
     assert "bad.pt: d2t has 96 entries but t2d marks 512 tokens" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+# ----------------------------------------------------------------------------- faults (issue 28)
+
+
+def test_remap_names_a_full_disk(tmp_path, full_disk, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["remap", str(TINY / "sglang_tiny"), "--to-map", str(NEW_MAP), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"eagle3 remap: error: writing {re.escape(str(tmp_path))}/\.out\.[\w.]+\.tmp/"
+                        r"model\.safetensors: No space left on device\n", err), err
+    assert list(tmp_path.iterdir()) == []

@@ -145,3 +145,18 @@ def test_written_files_and_folders_follow_the_umask(tmp_path):
     assert (tmp_path / "summary.md").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "drafter").stat().st_mode & 0o777 == 0o755
     assert (tmp_path / "drafter" / "model.safetensors").stat().st_mode & 0o777 == 0o644
+
+
+# ----------------------------------------------------------------------------- faults (issue 28)
+
+
+@pytest.mark.parametrize("override, reason", [
+    ("train.lr=[1,", "expected the node content, but found '<stream end>'"),
+    ("train.lr=!!python/object/apply:os.system ['true']",
+     "could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply:os.system'"),
+])
+def test_a_malformed_override_is_named(capsys, override, reason):
+    assert cli.main(["train", "params/smoke.yaml", "-p", override]) == 2
+    assert capsys.readouterr().err == (
+        f"eagle3 train: error: override {override!r}: the value is not valid YAML ({reason})\n"
+    )

@@ -7,18 +7,22 @@ is the next token). A drafter can learn succ from the embedded token alone.
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import math
+import os
+import re
 
 import pytest
 import torch
 
-from eagle3lib import data, loss, runs, train
+from eagle3lib import data, loss, runs, train, trainer
 from eagle3lib.capture import DataWriter
 from eagle3lib.checkpoint import load_drafter, save_drafter
 from eagle3lib.config import EngineMismatchError
 from eagle3lib.data import TrainingData
-from eagle3lib.trainer import BatchStream, Processes, Trainer, TrainingDiverged, TrainingError
+from eagle3lib.trainer import STATE_FILE, BatchStream, Processes, Trainer, TrainingDiverged, TrainingError
 from eagle3lib.vocab import VocabMap, load_counts
 
 VT, VD, H, A, T = 128, 64, 32, 3, 16
@@ -388,3 +392,36 @@ def test_eagle3_train_command_trains_the_recipes_arms_and_refuses_to_overwrite(t
     assert torch.equal(drafter.d2t, VocabMap.load(data_folder["vocab_map"]).d2t)
     assert cli.main(arguments) == 2  # the finished arm is kept, not trained over
     assert "already holds a finished arm" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- faults (issue 28)
+
+
+class FullDisk(io.BytesIO):
+    """A file on a full disk: every write fails as the system's write does."""
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_names_the_file_being_written(tmp_path, data_folder, monkeypatch, full_disk):
+    """safetensors reports a full disk as a SafetensorError, torch.save as "enforce fail at
+    inline_container.cc"; the user reads which file and why, and no staging is left behind."""
+    params = tiny_params(data_folder, steps=4, checkpoint_every=2)
+    file = r"checkpoints/\.step_000002\.[\w.]+\.tmp/\.drafter\.[\w.]+\.tmp/model\.safetensors"
+    with pytest.raises(OSError, match=rf"^writing \S+/{file}: No space left on device$"):
+        train.train_arms(params, tmp_path / "a")
+    monkeypatch.undo()
+    monkeypatch.setattr(trainer, "open", lambda file, mode: FullDisk(), raising=False)
+    with pytest.raises(OSError, match=rf"^writing \S+/{STATE_FILE}: No space left on device$"):
+        train.train_arms(params, tmp_path / "b")
+    for out in (tmp_path / "a", tmp_path / "b"):
+        assert list((out / "scratch" / "checkpoints").iterdir()) == []
+
+
+def test_a_dangling_symlink_as_output_is_named(tmp_path, data_folder, capsys):
+    out = tmp_path / "link"
+    out.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(FileExistsError, match=rf"^{re.escape(str(out))} is a symbolic link to "
+                       rf"{re.escape(str(tmp_path / 'nowhere'))}, which does not exist, not a folder"):
+        train.train_arms(tiny_params(data_folder, steps=2), out)
