@@ -11,7 +11,9 @@ import contextlib
 import json
 import math
 import os
+import pickle
 import random
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -195,7 +197,14 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: floa
 
 
 def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """Every generator's state in what a weights-only load reads: tensors, tuples, lists and numbers (numpy's
+    own form holds an ndarray, so its key goes in as a list)."""
+    kind, key, position, has_gauss, cached_gaussian = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [kind, key.tolist(), int(position), int(has_gauss), float(cached_gaussian)],
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -204,7 +213,8 @@ def _rng_state() -> dict:
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, key, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((kind, np.array(key, dtype=np.uint32), position, has_gauss, cached_gaussian))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -404,7 +414,7 @@ class Trainer:
             self.log(f"resume: no checkpoint under {self.checkpoint_dir}; starting at step 0")
             return
         path = found[-1]
-        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+        state = load_state(path / STATE_FILE)
         changed = sorted(
             key for key, value in self.train.items()
             if key not in RESUME_FREE and state["train"].get(key) != value
@@ -438,6 +448,22 @@ def save_state(state: dict, file: Path) -> None:
             torch.save(state, handle)
     except Exception as err:
         raise runs.write_failure(file, err) from err
+
+
+def load_state(file: Path) -> dict:
+    """A training state, read by a weights-only load: tensors, containers, numbers and strings, never the
+    code a pickle can carry. A file that needs more was not written by this trainer and is refused."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        needs = found[1] if found else str(err).splitlines()[0]
+        raise TrainingError(
+            f"{file}: refused, it needs {needs}, which only an unsafe unpickler rebuilds (running code from "
+            "the file); a training state of eagle3lib holds tensors, numbers and strings only"
+        ) from err
+    except Exception as err:  # a damaged file: torch raises several types
+        raise TrainingError(f"{file}: not a readable training state ({err})") from err
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:

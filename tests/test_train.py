@@ -397,6 +397,31 @@ def test_eagle3_train_command_trains_the_recipes_arms_and_refuses_to_overwrite(t
 # ----------------------------------------------------------------------------- faults (issue 28)
 
 
+class PlantedCode:
+    """What a pickle can carry: rebuilding it by an unsafe unpickler runs code (here, it writes `marker`)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def test_resume_reads_the_training_state_weights_only_and_refuses_planted_code(tmp_path, data_folder,
+                                                                               monkeypatch):
+    params = tiny_params(data_folder, steps=6, log_every=1, checkpoint_every=2, keep_checkpoints=1)
+    train_interrupted(params, tmp_path, monkeypatch, steps_done=3)  # the checkpoint of step 2 on disk
+    state_file = tmp_path / "scratch" / "checkpoints" / "step_000002" / STATE_FILE
+    state = torch.load(state_file, weights_only=True)  # what the trainer writes needs no code to read
+    assert state["step"] == 2 and isinstance(state["rng"]["numpy"][1], list)
+    marker = tmp_path / "ran"
+    torch.save({**state, "rng": PlantedCode(marker)}, state_file)
+    with pytest.raises(TrainingError, match=rf"^{re.escape(str(state_file))}: refused, it needs exec, which "
+                       "only an unsafe unpickler rebuilds"):
+        train.train_arms(params, tmp_path, resume=True)
+    assert not marker.exists()
+
+
 class FullDisk(io.BytesIO):
     """A file on a full disk: every write fails as the system's write does."""
 
