@@ -482,6 +482,39 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def append_line(path: Path, line: str) -> None:
+    """Append `line` and a newline to `path` in one write, so that readers see whole lines; a write the disk
+    cuts short is taken back."""
+    data = (line + "\n").encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    except OSError as err:
+        raise write_failure(path, err) from err
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            while data:
+                data = data[os.write(fd, data) :]
+        except OSError as err:
+            os.ftruncate(fd, size)
+            raise write_failure(path, err) from err
+    finally:
+        os.close(fd)
+
+
+def json_line(line: str, path: Path, number: int) -> Any:
+    """Line `number` of the JSON-lines file `path`, parsed; a line that does not parse is refused by name."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}, line {number}: not valid JSON ({err})") from err
+
+
+def read_json_lines(path: Path) -> list:
+    """Every entry of a JSON-lines file (such as an arm's metrics.jsonl)."""
+    return [json_line(line, path, number) for number, line in enumerate(path.read_text().splitlines(), 1)]
+
+
 # ---------------------------------------------------------------- papermill driver
 
 

@@ -286,7 +286,7 @@ class ArmResult:
     @property
     def metrics(self) -> list[dict]:
         path = Path(self.folder) / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return runs.read_json_lines(path) if path.exists() else []
 
     def key_numbers(self) -> dict:
         """What the run summary and report tables show for this arm."""

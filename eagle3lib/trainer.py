@@ -360,8 +360,7 @@ class Trainer:
                     **summarize(window, self.weights),
                 }
                 if procs.main:
-                    with metrics_path.open("a") as handle:
-                        handle.write(json.dumps(last) + "\n")
+                    runs.append_line(metrics_path, json.dumps(last))
                 progress.set_postfix(loss=f"{last['loss']:.3f}", acc_0=f"{100 * last['acc_0']:.1f} %",
                                      tau=f"{last['tau']:.2f}")
                 window.zero_()
@@ -434,8 +433,13 @@ class Trainer:
         _set_rng_state(state["rng"])
         self.step = state["step"]
         if self.procs.main and metrics_path.exists():  # drop entries logged after that checkpoint
-            lines = metrics_path.read_text().splitlines()
-            kept = [line for line in lines if json.loads(line)["step"] <= self.step]
+            whole, _, torn = metrics_path.read_text().rpartition("\n")
+            if torn:  # the last append was cut short (a full disk, a kill): its entry is after the checkpoint
+                self.log(f"resume: dropped the torn last line of {metrics_path} ({len(torn)} characters "
+                         "without their newline)")
+            lines = whole.splitlines()
+            kept = [line for number, line in enumerate(lines, 1)
+                    if runs.json_line(line, metrics_path, number)["step"] <= self.step]
             runs.atomic_write_text(metrics_path, "".join(line + "\n" for line in kept))
         self.log(f"resumed from {path} at step {self.step}")
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 
 import nbformat
 import pytest
@@ -160,3 +162,23 @@ def test_a_malformed_override_is_named(capsys, override, reason):
     assert capsys.readouterr().err == (
         f"eagle3 train: error: override {override!r}: the value is not valid YAML ({reason})\n"
     )
+
+
+def test_append_line_writes_a_whole_line_or_none(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    runs.append_line(path, '{"step": 1}')
+    calls = []
+
+    def disk_full(fd, data):  # the disk fills up after five bytes of the line
+        calls.append(data)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data[:5])
+
+    real_write = os.write
+    monkeypatch.setattr(os, "write", disk_full)
+    with pytest.raises(OSError, match=rf"^writing {re.escape(str(path))}: No space left on device$"):
+        runs.append_line(path, '{"step": 2, "loss": 1.5}')
+    monkeypatch.undo()
+    assert calls[0] == b'{"step": 2, "loss": 1.5}\n'  # one write for the whole line
+    assert path.read_text() == '{"step": 1}\n'

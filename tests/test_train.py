@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-from eagle3lib import data, loss, runs, train, trainer
+from eagle3lib import data, loss, publish, runs, train, trainer
 from eagle3lib.capture import DataWriter
 from eagle3lib.checkpoint import load_drafter, save_drafter
 from eagle3lib.config import EngineMismatchError
@@ -420,6 +420,39 @@ def test_resume_reads_the_training_state_weights_only_and_refuses_planted_code(t
                        "only an unsafe unpickler rebuilds"):
         train.train_arms(params, tmp_path, resume=True)
     assert not marker.exists()
+
+
+def without_speed(entries: list[dict]) -> list[dict]:
+    """metrics.jsonl entries without tokens_per_s, the one wall-clock number in them."""
+    return [{key: value for key, value in entry.items() if key != "tokens_per_s"} for entry in entries]
+
+
+def test_a_torn_metrics_line_is_dropped_on_resume_and_a_broken_one_is_named(tmp_path, data_folder,
+                                                                           monkeypatch, capsys):
+    params = tiny_params(data_folder, steps=8, log_every=1, checkpoint_every=3, keep_checkpoints=1)
+    whole = train.train_arms(params, tmp_path / "whole")["scratch"].metrics
+    run, out = tmp_path / "run", tmp_path / "run" / "04_finetune"
+    train_interrupted(params, out, monkeypatch, steps_done=5)
+    metrics = out / "scratch" / "metrics.jsonl"
+    with metrics.open("a") as handle:  # the disk filled up during this append
+        handle.write('{"step": 6, "lr": 0.002, "grad_norm": 0.')
+    capsys.readouterr()
+    resumed = train.train_arms(params, out, resume=True)["scratch"]
+    assert (f"resume: dropped the torn last line of {metrics} (40 characters without their newline)"
+            in capsys.readouterr().out)
+    assert without_speed(resumed.metrics) == without_speed(whole)
+    # a line broken elsewhere is refused naming the file and the line: by notebook 04, publish and resume
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], lines[1][:50], *lines[2:]]) + "\n")
+    named = rf"^{re.escape(str(metrics))}, line 2: not valid JSON \("
+    with pytest.raises(ValueError, match=named):
+        _ = resumed.metrics
+    (run / "metrics.json").write_text("{}")
+    with pytest.raises(ValueError, match=named):
+        publish.publish(run, "scratch", tmp_path / "published", command="test")
+    (metrics.parent / "summary.json").unlink()
+    with pytest.raises(ValueError, match=named):
+        train.train_arms(params, out, resume=True)
 
 
 class FullDisk(io.BytesIO):
