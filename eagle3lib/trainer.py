@@ -251,6 +251,10 @@ class Trainer:
         )
         self.stream = BatchStream(data.reader, train["batch_size"], train["seq_len"], seed, procs)
         self.step = 0
+        # the sums and tokens of the steps since the last metrics.jsonl entry: checkpointed, so that a resumed
+        # run logs what an uninterrupted one logs
+        self.window = torch.zeros(5, train["ttt_steps"], dtype=torch.float64)
+        self.window_tokens = 0
         self.autocast_dtype = autocast_dtype(train["dtype"], device)
 
     def to_device(self, batch: dict) -> dict:
@@ -327,8 +331,7 @@ class Trainer:
         metrics_path = self.out / "metrics.jsonl"
         if resume:
             self._restore_latest(metrics_path)
-        window = torch.zeros(5, t["ttt_steps"], dtype=torch.float64)
-        window_tokens, window_start, last = 0, time.perf_counter(), {}
+        window_start, last = time.perf_counter(), {}
         progress = progress_bar(total=t["steps"], initial=self.step, desc=self.out.name,
                                 disable=not procs.main)
         while self.step < t["steps"]:
@@ -348,23 +351,23 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
-            window += sums.cpu()
-            window_tokens += tokens
+            self.window += sums.cpu()
+            self.window_tokens += tokens
             if self.step % t["log_every"] == 0 or self.step == t["steps"]:
                 elapsed = time.perf_counter() - window_start
                 last = {
                     "step": self.step,
                     "lr": self.scheduler.get_last_lr()[0],
                     "grad_norm": grad_norm,
-                    "tokens_per_s": window_tokens / elapsed,
-                    **summarize(window, self.weights),
+                    "tokens_per_s": self.window_tokens / elapsed,
+                    **summarize(self.window, self.weights),
                 }
                 if procs.main:
                     runs.append_line(metrics_path, json.dumps(last))
                 progress.set_postfix(loss=f"{last['loss']:.3f}", acc_0=f"{100 * last['acc_0']:.1f} %",
                                      tau=f"{last['tau']:.2f}")
-                window.zero_()
-                window_tokens, window_start = 0, time.perf_counter()
+                self.window.zero_()
+                self.window_tokens, window_start = 0, time.perf_counter()
             progress.update(1)
             if t["checkpoint_every"] and self.step % t["checkpoint_every"] == 0 and self.step < t["steps"]:
                 self.save_checkpoint(self.stream.state)
@@ -391,6 +394,8 @@ class Trainer:
                         "scheduler": self.scheduler.state_dict(),
                         "data": data_state,
                         "rng": _rng_state(),
+                        "window": self.window.clone(),
+                        "window_tokens": self.window_tokens,
                         "train": self.train,
                         "seed": self.seed,
                         "world_size": self.procs.world_size,
@@ -410,7 +415,11 @@ class Trainer:
     def _restore_latest(self, metrics_path: Path) -> None:
         found = self.checkpoints()
         if not found:
-            self.log(f"resume: no checkpoint under {self.checkpoint_dir}; starting at step 0")
+            afresh = ""
+            if self.procs.main and metrics_path.exists():  # its entries came from steps trained again now
+                metrics_path.unlink()
+                afresh = f", {metrics_path} afresh"
+            self.log(f"resume: no checkpoint under {self.checkpoint_dir}; starting at step 0{afresh}")
             return
         path = found[-1]
         state = load_state(path / STATE_FILE)
@@ -431,6 +440,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.stream.restore(state["data"])
         _set_rng_state(state["rng"])
+        self.window, self.window_tokens = state["window"], state["window_tokens"]
         self.step = state["step"]
         if self.procs.main and metrics_path.exists():  # drop entries logged after that checkpoint
             whole, _, torn = metrics_path.read_text().rpartition("\n")

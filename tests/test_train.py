@@ -427,6 +427,20 @@ def without_speed(entries: list[dict]) -> list[dict]:
     return [{key: value for key, value in entry.items() if key != "tokens_per_s"} for entry in entries]
 
 
+def test_resume_logs_exactly_what_the_uninterrupted_run_logs(tmp_path, data_folder, monkeypatch):
+    """The entry of step 4 spans the checkpoint of step 3: its sums come from both runs. A kill before the
+    first checkpoint restarts at step 0 with metrics.jsonl afresh, not with steps logged twice."""
+    params = tiny_params(data_folder, steps=8, log_every=2, checkpoint_every=3, keep_checkpoints=1)
+    whole = train.train_arms(params, tmp_path / "whole")["scratch"].metrics
+    assert [m["step"] for m in whole] == [2, 4, 6, 8]
+    for cut, steps_done in (("after_checkpoint", 5), ("before_checkpoint", 2)):
+        train_interrupted(params, tmp_path / cut, monkeypatch, steps_done=steps_done)
+        resumed = train.train_arms(params, tmp_path / cut, resume=True)["scratch"].metrics
+        assert without_speed(resumed) == without_speed(whole), cut
+    metrics = tmp_path / "before_checkpoint" / "scratch" / "metrics.jsonl"
+    assert f"starting at step 0, {metrics} afresh" in metrics.with_name("log.txt").read_text()
+
+
 def test_a_torn_metrics_line_is_dropped_on_resume_and_a_broken_one_is_named(tmp_path, data_folder,
                                                                            monkeypatch, capsys):
     params = tiny_params(data_folder, steps=8, log_every=1, checkpoint_every=3, keep_checkpoints=1)
