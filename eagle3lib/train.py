@@ -390,10 +390,11 @@ def train_arm(arm: str, params: dict, out: Path, data: TrainingData, procs: Proc
     final_metrics, final_baseline = trainer.evaluate(check_batches)
     final_check = diagnose(final_metrics, final_baseline, data.vocab_map.vd, warm_start=False)
     drafter_path = folder / "drafter"
-    if procs.main:
-        save_drafter(trainer.drafter, drafter_path, layout="sglang")
+    if procs.main:  # a resumed arm may have saved them before it was stopped: the same weights, replaced
+        save_drafter(trainer.drafter, drafter_path, layout="sglang", overwrite=resume)
         if train["save_speculators"]:
-            save_drafter(trainer.drafter, speculators_copy, layout="speculators", engines=export_engines)
+            save_drafter(trainer.drafter, speculators_copy, layout="speculators", engines=export_engines,
+                         overwrite=resume)
     result = ArmResult(
         arm=arm, folder=str(folder), init_report=init_report, check=asdict(check), final=final,
         final_check=asdict(final_check), drafter=str(drafter_path), steps=trainer.step,

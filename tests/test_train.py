@@ -469,6 +469,30 @@ def test_a_torn_metrics_line_is_dropped_on_resume_and_a_broken_one_is_named(tmp_
         train.train_arms(params, out, resume=True)
 
 
+def test_resume_after_the_final_drafter_was_saved_finishes_the_arm(tmp_path, data_folder, monkeypatch):
+    params = tiny_params(data_folder, steps=6, log_every=2, checkpoint_every=2, save_speculators=True)
+    whole = train.train_arms(params, tmp_path / "whole")["scratch"]
+    saved = train.save_drafter
+
+    def killed_after_the_rename(drafter, path, *args, **kwargs):
+        saved(drafter, path, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "save_drafter", killed_after_the_rename)
+    with pytest.raises(KeyboardInterrupt):
+        train.train_arms(params, tmp_path / "cut")
+    monkeypatch.setattr(train, "save_drafter", saved)
+    folder = tmp_path / "cut" / "scratch"
+    assert (folder / "drafter").is_dir() and not (folder / "summary.json").exists()
+    resumed = train.train_arms(params, tmp_path / "cut", resume=True)["scratch"]
+    assert without_speed(resumed.metrics) == without_speed(whole.metrics)
+    for name in ("drafter", "drafter-speculators"):
+        a, b = load_drafter(tmp_path / "whole" / "scratch" / name)[0], load_drafter(folder / name)[0]
+        for (key, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+            assert torch.equal(x, y), (name, key)
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".")]
+
+
 class FullDisk(io.BytesIO):
     """A file on a full disk: every write fails as the system's write does."""
 
