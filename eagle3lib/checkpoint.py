@@ -54,7 +54,7 @@ from eagle3lib.config import (
     write_config,
 )
 from eagle3lib.model import Eagle3Drafter
-from eagle3lib.runs import describe_occupant, save_safetensors, staged_folder
+from eagle3lib.runs import atomic_write_text, describe_occupant, save_safetensors, staged_folder
 from eagle3lib.vocab import VocabMap
 
 VOCAB_MAP_KEYS = ("d2t", "t2d")
@@ -491,9 +491,11 @@ def save_drafter(
     overwrite: bool = False,
     engines: Sequence[str] | None = None,
     allow_engine_mismatch: bool = False,
+    files: dict[str, str] | None = None,
 ) -> Path:
-    """Write `path/` (config.json + model.safetensors) in `layout`, atomically: a temporary folder beside
-    it is filled, then renamed into place. An existing folder is refused unless `overwrite`.
+    """Write `path/` (config.json + model.safetensors, and the text `files` by name, e.g. a remap report) in
+    `layout`, atomically: a temporary folder beside it is filled, then renamed into place. An existing folder
+    is refused unless `overwrite`.
 
     eagle3lib reads back everything it writes, so its own checkpoints (`engines=None`) are saved whatever the
     engines do. An export names the projects it is for (`engines`, e.g. `LAYOUT_READERS[layout]`) and is
@@ -523,6 +525,8 @@ def save_drafter(
     with staged_folder(path, replace=overwrite) as staging:
         save_safetensors(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         write_config(drafter.config, staging, layout, dtype)
+        for name, text in (files or {}).items():
+            atomic_write_text(staging / name, text)
     return path
 
 

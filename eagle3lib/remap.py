@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from eagle3lib.model import Eagle3Drafter
-from eagle3lib.runs import ParamsError, atomic_write_text, describe_occupant, resolve_path
+from eagle3lib.runs import ParamsError, describe_occupant, resolve_path
 from eagle3lib.vocab import VocabMap
 
 MISSING_POLICIES = ("verifier", "mean", "zeros", "random")
@@ -361,15 +361,10 @@ def remap_checkpoint(
     remapped, report = remap_drafter(drafter, new_map, missing, target_head, seed)
     if not report.proof.passed:
         raise RemapError(f"{source} → {to_map}: {report.proof.summary()}; nothing written")
-    checkpoint.save_drafter(remapped, out, layout=checkpoint.detect_layout(source))
-    write_report(report, out / "remap_report.json")
+    # the report goes into the staged folder: `out` never exists without it
+    checkpoint.save_drafter(remapped, out, layout=checkpoint.detect_layout(source),
+                            files={"remap_report.json": json.dumps(report.to_dict(), indent=2) + "\n"})
     return remapped, report
-
-
-def write_report(report: RemapReport, path: str | os.PathLike) -> Path:
-    path = Path(path)
-    atomic_write_text(path, json.dumps(report.to_dict(), indent=2) + "\n")
-    return path
 
 
 def notebook_inputs(params: dict, run_dir: str | os.PathLike, names: tuple[str, ...]) -> dict[str, Path]:
