@@ -149,6 +149,19 @@ class ParamsError(ValueError):
     """A params file or override that does not fit DEFAULTS."""
 
 
+def check_run_name(where: str, key: str, name: str) -> None:
+    """A run name is one folder under outputs/: a '/', a '..' or an absolute path would write elsewhere."""
+    if not name or name == "." or "/" in name or ".." in name or os.path.isabs(name):
+        raise ParamsError(
+            f"{where}: key '{key}' is {name!r}; a run name is one folder name under outputs/, without '/' "
+            "or '..'"
+        )
+
+
+# Checks of single values beyond their type, by dotted key.
+VALUE_CHECKS = {"run.name": check_run_name}
+
+
 def _check_type(where: str, key: str, default: Any, value: Any) -> Any:
     if default is None or value is None:
         return value
@@ -187,6 +200,8 @@ def _merge(where: str, base: dict, update: dict, prefix: str = "") -> None:
             _merge(where, base[key], value, prefix=f"{dotted}.")
         else:
             base[key] = _check_type(where, dotted, base[key], value)
+            if dotted in VALUE_CHECKS and base[key] is not None:
+                VALUE_CHECKS[dotted](where, dotted, base[key])
 
 
 def parse_override(text: str) -> dict:

@@ -152,6 +152,20 @@ def test_written_files_and_folders_follow_the_umask(tmp_path):
 # ----------------------------------------------------------------------------- faults (issue 28)
 
 
+@pytest.mark.parametrize("name", ["../../escape", "ABSOLUTE/escape", "..", "a/b"])
+def test_a_run_name_cannot_escape_outputs(tmp_path, capsys, monkeypatch, name):
+    name = name.replace("ABSOLUTE", str(tmp_path / "abs"))
+    monkeypatch.setattr(runs, "OUTPUTS_DIR", tmp_path / "outputs")
+    monkeypatch.setattr(runs, "execute_notebook", lambda *args, **kwargs: pytest.fail("a notebook started"))
+    assert cli.main(["run", "params/smoke.yaml", "--name", name, "--only", "02"]) == 2
+    refused = f"key 'run.name' is {name!r}; a run name is one folder name under outputs/, without '/' or '..'"
+    assert capsys.readouterr().err == f"eagle3 run: error: override: {refused}\n"
+    assert list(tmp_path.iterdir()) == []
+    recipe = write_yaml(tmp_path / "escape.yaml", {"run": {"name": name}})
+    with pytest.raises(runs.ParamsError, match=re.escape(f"{recipe}: {refused}")):
+        runs.load_params(recipe)
+
+
 @pytest.mark.parametrize("override, reason", [
     ("train.lr=[1,", "expected the node content, but found '<stream end>'"),
     ("train.lr=!!python/object/apply:os.system ['true']",
