@@ -30,9 +30,11 @@ from eagle3lib.data import (
     prepared_dir,
 )
 from eagle3lib.progress import progress as progress_bar
-from eagle3lib.runs import save_safetensors, shareable, shareable_tree
+from eagle3lib.runs import check_positive, save_safetensors, shareable, shareable_tree
 from eagle3lib.sources import Sample, raw_samples, self_distilled_samples
 from eagle3lib.vocab import VocabMap
+
+TEXTS = ("raw", "self-distill")
 
 
 def parse_dtype(name: str, where: str) -> torch.dtype:
@@ -314,7 +316,7 @@ def training_text(
             target, corpus, seq_len, max_new_tokens, prompt_chars, batch_size, heldout_fraction, seed
         )
     else:
-        raise DataError(f"data.text must be raw or self-distill, got {text!r}")
+        raise DataError(f"data.text must be one of {', '.join(TEXTS)}, got {text!r}")
     provenance = {
         **zoo.corpus_description(corpus),
         "split": "train",
@@ -339,9 +341,33 @@ def corpora_to_prepare(params: dict) -> dict[str, str]:
     return found
 
 
+def check_prepare_settings(params: dict, vocab_size: int | None = None) -> None:
+    """Refuse 00_prepare_data's data settings that cannot work, naming the key, before anything is captured:
+    corpora, text, sizes and dtype, and the draft vocab size against the target's vocab (`vocab_size`, else
+    the one its config.json gives when that is at hand)."""
+    settings = params["data"]
+    corpora_to_prepare(params)
+    if settings["text"] not in TEXTS:
+        raise DataError(f"data.text must be one of {', '.join(TEXTS)}, got {settings['text']!r}")
+    parse_dtype(settings["dtype"], "data.dtype")
+    check_positive("data", settings, ("num_tokens", "seq_len", "batch_size", "shard_tokens", "max_new_tokens",
+                                      "prompt_chars", "draft_vocab_size"))
+    if not 0 <= settings["heldout_fraction"] < 1:
+        raise DataError(f"data.heldout_fraction must lie in [0, 1), got {settings['heldout_fraction']}")
+    spec = params["target"]["spec"]
+    if vocab_size is None:
+        vocab_size = zoo.configured_vocab_size(spec, params["target"]["cache_dir"] or None)
+    if vocab_size is not None and settings["draft_vocab_size"] > vocab_size:
+        raise DataError(
+            f"data.draft_vocab_size {settings['draft_vocab_size']} exceeds the vocab size {vocab_size} of "
+            f"the target {spec}"
+        )
+
+
 def prepare_for_run(target, params: dict, which: str, run_dir: str | os.PathLike) -> dict:
     """00_prepare_data for one corpus: capture its data folder, build its vocab map from the counts, and
     return the numbers the notebook reports."""
+    check_prepare_settings(params, target.vocab_size)
     corpus = corpora_to_prepare(params)[which]
     settings = params["data"]
     folder = prepared_dir(run_dir, which)

@@ -323,6 +323,12 @@ def load_target_head(spec: str | os.PathLike) -> dict[str, torch.Tensor]:
     return Target.load(spec, device="cpu").head_weights()
 
 
+def check_remap_settings(params: dict) -> None:
+    """Refuse 03_remap_lm_head's settings that cannot work, naming the key, before anything is loaded."""
+    if params["remap"]["missing"] not in MISSING_POLICIES:
+        raise RemapError(f"remap.missing must be one of {POLICY_NAMES}, got {params['remap']['missing']!r}")
+
+
 def remap_checkpoint(
     source: str | os.PathLike,
     to_map: str | os.PathLike,

@@ -598,6 +598,13 @@ def execute_notebook(
     return time.perf_counter() - start
 
 
+def check_positive(section: str, settings: dict, keys: tuple[str, ...]) -> None:
+    """Refuse the settings among `keys` of `section` that are below 1, naming each."""
+    small = [f"{section}.{key} ({settings[key]})" for key in keys if settings[key] < 1]
+    if small:
+        raise ParamsError(f"{', '.join(small)} must be at least 1")
+
+
 def run_notebooks(
     params_file: str | os.PathLike,
     run_dir: str | os.PathLike | None = None,

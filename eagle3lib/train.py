@@ -464,6 +464,24 @@ def stand_in_path(params: dict, target_fingerprint: str, cache: Path) -> Path:
     return Path(cache) / "drafters" / f"stand-in-{stand_in_key(params, target_fingerprint)}"
 
 
+def stand_in_settings(params: dict, data: str = "") -> dict:
+    """The stand-in source drafter's train settings: `train`'s, for one scratch arm of `stand_in.steps` steps
+    in one process on `data`."""
+    return {**params["train"], "arms": ["scratch"], "data": data, "vocab_map": "", "drafter": "",
+            "steps": params["stand_in"]["steps"], "nproc": 1}
+
+
+def check_stand_in_settings(params: dict) -> None:
+    """Refuse, before 00_prepare_data captures anything, train settings the stand-in source drafter
+    (`data.source_corpus`) cannot train with."""
+    if params["data"]["source_corpus"]:
+        try:
+            check_settings(stand_in_settings(params))
+        except TrainingError as err:
+            raise TrainingError(f"the stand-in source drafter (data.source_corpus) trains with {err}") \
+                from err
+
+
 def train_stand_in(params: dict, run_dir: Path, target_fingerprint: str, cache: Path) -> Path:
     """Train the demo's source drafter and cache it; returns the cached checkpoint folder.
 
@@ -476,10 +494,7 @@ def train_stand_in(params: dict, run_dir: Path, target_fingerprint: str, cache: 
     cached = stand_in_path(params, target_fingerprint, cache)
     if cached.exists():
         return cached
-    stand_in = {**params, "train": {
-        **params["train"], "arms": ["scratch"], "data": str(prepared_dir(run_dir, "source")), "vocab_map": "",
-        "drafter": "", "steps": params["stand_in"]["steps"], "nproc": 1,
-    }}
+    stand_in = {**params, "train": stand_in_settings(params, str(prepared_dir(run_dir, "source")))}
     cached.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cached.parent, prefix=".stand-in-") as work:
         result = train_arms(stand_in, Path(work) / "train", run_dir)["scratch"]

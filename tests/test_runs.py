@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+from types import SimpleNamespace
 
 import nbformat
 import pytest
@@ -12,7 +13,8 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from eagle3lib import cli, runs
+from eagle3lib import capture, cli, runs
+from eagle3lib.data import DataError
 from tests.notebook_harness import run_notebook
 
 
@@ -176,6 +178,38 @@ def test_a_malformed_override_is_named(capsys, override, reason):
     assert capsys.readouterr().err == (
         f"eagle3 train: error: override {override!r}: the value is not valid YAML ({reason})\n"
     )
+
+
+@pytest.mark.parametrize("only, override, refused", [
+    ("02,04", "train.ttt_steps=0", "04_finetune: train.ttt_steps must be an integer >= 1, got 0"),
+    ("00", "data.draft_vocab_size=100000",
+     "00_prepare_data: data.draft_vocab_size 100000 exceeds the vocab size 49152 of the target "
+     "zoo:tiny-llama"),
+    ("00", "train.ttt_steps=0",
+     "00_prepare_data: the stand-in source drafter (data.source_corpus) trains with train.ttt_steps must be "
+     "an integer >= 1, got 0"),
+    ("01", "probe.topk=0",
+     "01_probe_drafter: probe.steps, topk, num_draft_tokens, temperature: steps (3) and topk (0) must be at "
+     "least 1"),
+    ("03", "remap.missing=copy",
+     "03_remap_lm_head: remap.missing must be one of verifier, mean, zeros, random, got 'copy'"),
+    ("05", "evaluate.sweep_steps=[0]", "05_evaluate: evaluate.sweep_steps or evaluate.sweep_tree"),
+    ("04,05", "probe.num_prompts=0", "05_evaluate: probe.num_prompts (0) must be at least 1"),
+])
+def test_every_selected_notebooks_settings_are_checked_before_the_first_starts(tmp_path, capsys, monkeypatch,
+                                                                                only, override, refused):
+    monkeypatch.setattr(runs, "OUTPUTS_DIR", tmp_path / "outputs")
+    monkeypatch.setattr(runs, "execute_notebook", lambda *args, **kwargs: pytest.fail("a notebook started"))
+    assert cli.main(["run", "params/smoke.yaml", "--only", only, "-p", override]) == 2
+    assert capsys.readouterr().err.startswith(f"eagle3 run: error: {refused}")
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_prepare_refuses_a_draft_vocab_larger_than_the_targets_before_capturing(tmp_path, monkeypatch):
+    params = runs.load_params("params/smoke.yaml", ["data.draft_vocab_size=50000"])
+    monkeypatch.setattr(capture, "prepare", lambda *args, **kwargs: pytest.fail("the capture started"))
+    with pytest.raises(DataError, match="data.draft_vocab_size 50000 exceeds the vocab size 49152 of the"):
+        capture.prepare_for_run(SimpleNamespace(vocab_size=49152), params, "main", tmp_path)
 
 
 def test_append_line_writes_a_whole_line_or_none(tmp_path, monkeypatch):
