@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -30,7 +29,7 @@ from eagle3lib.data import (
     prepared_dir,
 )
 from eagle3lib.progress import progress as progress_bar
-from eagle3lib.runs import check_positive, save_safetensors, shareable, shareable_tree
+from eagle3lib.runs import check_positive, save_safetensors, shareable_tree, staging_path
 from eagle3lib.sources import Sample, raw_samples, self_distilled_samples
 from eagle3lib.vocab import VocabMap
 
@@ -73,9 +72,7 @@ class DataWriter:
         self.target, self.aux_layer_ids = target, list(aux_layer_ids)
         self.hidden_size, self.vocab_size = int(target["hidden_size"]), int(target["vocab_size"])
         self.dtype, self.shard_tokens, self.provenance = dtype, shard_tokens, provenance or {}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        staging = tempfile.mkdtemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        self._tmp = shareable(staging)
+        self._tmp = staging_path(self.path, folder=True)
         save_safetensors(
             {k: head[k].detach().contiguous().cpu() for k in HEAD_KEYS},
             self._tmp / "target_head.safetensors",

@@ -413,8 +413,7 @@ def _logger(path: Path, procs: Processes):
         if procs.main:
             if echo:
                 print(message, flush=True)
-            with path.open("a") as handle:
-                handle.write(message + "\n")
+            runs.append_line(path, message)
 
     return log
 

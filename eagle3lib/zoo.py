@@ -25,7 +25,6 @@ import os
 import shutil
 import sys
 import sysconfig
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -36,7 +35,7 @@ from unittest import mock
 import torch
 
 from eagle3lib.progress import live_bar_class, progress, quiet_hf_loading
-from eagle3lib.runs import resolve_path, shareable, shareable_tree
+from eagle3lib.runs import resolve_path, shareable_tree, staging_path
 
 ZOO_PREFIX = "zoo:"
 SMOLLM2 = "smollm2-135m-instruct"
@@ -139,8 +138,7 @@ def _require_gguf_support() -> None:
 
 def _build_atomically(folder: Path, build, cache) -> None:
     """Build into a temporary folder beside `folder`, then rename; a concurrent builder's result wins."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = shareable(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
+    tmp = staging_path(folder, folder=True)
     try:
         build(tmp, cache)
         shareable_tree(tmp)  # save_pretrained's safetensors files are private (0600) otherwise

@@ -515,6 +515,19 @@ def test_a_full_disk_names_the_file_being_written(tmp_path, data_folder, monkeyp
         assert list((out / "scratch" / "checkpoints").iterdir()) == []
 
 
+def test_resume_appends_to_no_symlinked_log(tmp_path, data_folder, monkeypatch):
+    params = tiny_params(data_folder, steps=6, checkpoint_every=2)
+    train_interrupted(params, tmp_path / "run", monkeypatch, steps_done=3)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the run's\n")
+    log = tmp_path / "run" / "scratch" / "log.txt"
+    log.unlink()
+    log.symlink_to(outside)
+    with pytest.raises(OSError, match=rf"^{re.escape(str(log))} is a symbolic link; a run appends only"):
+        train.train_arms(params, tmp_path / "run", resume=True)
+    assert outside.read_text() == "not the run's\n"
+
+
 def test_a_dangling_symlink_as_output_is_named(tmp_path, data_folder, capsys):
     out = tmp_path / "link"
     out.symlink_to(tmp_path / "nowhere")
