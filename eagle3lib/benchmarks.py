@@ -52,6 +52,15 @@ class Benchmark:
         return cls(str(entry["name"]), str(entry["corpus"]), int(entry.get("num_prompts", 0)))
 
 
+def check_corpus(corpus: str, key: str) -> None:
+    """A name the zoo knows, or a file or folder that exists; else a ValueError naming `key`."""
+    if corpus in (*zoo.CORPORA, *zoo.CONVERSATION_CORPORA, *zoo.PROMPT_SETS) or resolve_path(corpus).exists():
+        return
+    known = ", ".join((*zoo.CORPORA, *zoo.CONVERSATION_CORPORA, *zoo.PROMPT_SETS))
+    raise ValueError(f"{key} {corpus!r}: neither a corpus the zoo knows ({known}) nor an existing file or "
+                     "folder")
+
+
 def is_prompt_file(corpus: str) -> bool:
     """A `.jsonl` file whose first record holds `prompt` or `turns` (not `conversations`/`messages`)."""
     path = resolve_path(corpus)

@@ -6,18 +6,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
 from eagle3lib import zoo
-from eagle3lib.conversations import ChatRenderer, ReadStats
+from eagle3lib.conversations import LOSS_TURNS, ChatRenderer, ReadStats
 from eagle3lib.data import (
     AUX_CONVENTION,
     FORMAT,
@@ -34,7 +32,7 @@ from eagle3lib.data import (
 )
 from eagle3lib.progress import progress as progress_bar
 from eagle3lib.regenerate import make_engine, regenerate, settings_from_data, source_description
-from eagle3lib.runs import shareable, shareable_tree
+from eagle3lib.runs import check_positive, save_safetensors, shareable_tree, staging_path
 from eagle3lib.sources import (
     Sample,
     check_text_kind,
@@ -87,10 +85,8 @@ class DataWriter:
         self.target, self.aux_layer_ids = target, list(aux_layer_ids)
         self.hidden_size, self.vocab_size = int(target["hidden_size"]), int(target["vocab_size"])
         self.dtype, self.shard_tokens, self.provenance = dtype, shard_tokens, provenance or {}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        staging = tempfile.mkdtemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        self._tmp = shareable(staging)
-        save_file(
+        self._tmp = staging_path(self.path, folder=True)
+        save_safetensors(
             {k: head[k].detach().contiguous().cpu() for k in HEAD_KEYS},
             self._tmp / "target_head.safetensors",
             metadata={
@@ -161,7 +157,7 @@ class DataWriter:
         tensors["sample_lengths"] = torch.tensor(
             [len(s["input_ids"]) for s in self._buffer], dtype=torch.long
         )
-        save_file(tensors, self._tmp / name)
+        save_safetensors(tensors, self._tmp / name)
         self.shards.append({"file": name, "num_samples": len(self._buffer), "num_tokens": self._buffered})
         self._buffer, self._buffered = [], 0
 
@@ -171,7 +167,7 @@ class DataWriter:
         if not self.shards:
             self.abort()
             raise DataError(f"{self.path}: no samples were written")
-        save_file(
+        save_safetensors(
             {"counts": self.counts, "argmax_counts": self.argmax_counts},
             self._tmp / "token_counts.safetensors",
         )
@@ -362,11 +358,36 @@ def corpora_to_prepare(params: dict) -> dict[str, str]:
     return found
 
 
+def check_prepare_settings(params: dict, vocab_size: int | None = None) -> None:
+    """Refuse 00_prepare_data's data settings that cannot work, naming the key, before anything is captured:
+    corpora, text, sizes and dtype, and the draft vocab size against the target's vocab (`vocab_size`, else
+    the one its config.json gives when that is at hand)."""
+    settings = params["data"]
+    corpora_to_prepare(params)  # each corpus against data.text
+    if settings["loss_turns"] not in LOSS_TURNS:
+        raise DataError(f"data.loss_turns must be one of {', '.join(LOSS_TURNS)}, "
+                        f"got {settings['loss_turns']!r}")
+    if settings["text"] == "regenerate":
+        settings_from_data(settings, params["run"]["seed"]).check()
+    parse_dtype(settings["dtype"], "data.dtype")
+    check_positive("data", settings, ("num_tokens", "seq_len", "batch_size", "shard_tokens", "max_new_tokens",
+                                      "prompt_chars", "draft_vocab_size"))
+    if not 0 <= settings["heldout_fraction"] < 1:
+        raise DataError(f"data.heldout_fraction must lie in [0, 1), got {settings['heldout_fraction']}")
+    spec = params["target"]["spec"]
+    if vocab_size is None:
+        vocab_size = zoo.configured_vocab_size(spec, params["target"]["cache_dir"] or None)
+    if vocab_size is not None and settings["draft_vocab_size"] > vocab_size:
+        raise DataError(
+            f"data.draft_vocab_size {settings['draft_vocab_size']} exceeds the vocab size {vocab_size} of "
+            f"the target {spec}"
+        )
+
+
 def prepare_for_run(target, params: dict, which: str, run_dir: str | os.PathLike) -> dict:
     """00_prepare_data for one corpus: capture its data folder, build its vocab map from the counts, and
-    return the numbers the notebook reports."""
-    """00_prepare_data for one corpus: capture its data folder, build its vocab map from the counts, and
     return the numbers the notebook reports (with what was read, skipped and cut for conversations)."""
+    check_prepare_settings(params, target.vocab_size)
     corpus = corpora_to_prepare(params)[which]
     settings = params["data"]
     folder = prepared_dir(run_dir, which)

@@ -10,8 +10,8 @@
   the config and loaded into the drafter's map buffers; stale RoPE `inv_freq` buffers;
 - missing, unexpected, or shape-mismatched (expected vs found).
 Strict loading raises on any of the last three, naming each; `strict=False` loads the rest, initialises
-what is missing, and reports it. Unreadable files, NaN/Inf weights and vocab maps that contradict the
-config or themselves are refused in either mode: the engines load such checkpoints silently (SGLang drops
+what is missing, and reports it. Unreadable files, NaN/Inf or integer weights and vocab maps that contradict
+the config or themselves are refused in either mode: the engines load such checkpoints silently (SGLang drops
 unknown keys and keeps missing ones random), this loader never does.
 
 Weights are read from `model.safetensors`, sharded safetensors with `model.safetensors.index.json`,
@@ -44,7 +44,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from eagle3lib.config import (
     LAYOUT_READERS,
@@ -55,7 +54,7 @@ from eagle3lib.config import (
     write_config,
 )
 from eagle3lib.model import Eagle3Drafter
-from eagle3lib.runs import staged_folder
+from eagle3lib.runs import atomic_write_text, describe_occupant, save_safetensors, staged_folder
 from eagle3lib.vocab import VocabMap
 
 VOCAB_MAP_KEYS = ("d2t", "t2d")
@@ -400,6 +399,11 @@ def load_drafter(
             report.skipped.append((key, reason))
             continue
         name = canonical_name(key)
+        if name in expected and not tensor.is_floating_point():  # load_state_dict would fail without a name
+            raise CheckpointError(
+                f"{where}: tensor {key} is {str(tensor.dtype).removeprefix('torch.')}; the drafter's {name} "
+                "takes floating-point weights"
+            )
         if name not in expected:
             report.unexpected.append(key)
         elif name in to_assign:  # e.g. both layers.0.x and midlayer.x
@@ -487,9 +491,11 @@ def save_drafter(
     overwrite: bool = False,
     engines: Sequence[str] | None = None,
     allow_engine_mismatch: bool = False,
+    files: dict[str, str] | None = None,
 ) -> Path:
-    """Write `path/` (config.json + model.safetensors) in `layout`, atomically: a temporary folder beside
-    it is filled, then renamed into place. An existing folder is refused unless `overwrite`.
+    """Write `path/` (config.json + model.safetensors, and the text `files` by name, e.g. a remap report) in
+    `layout`, atomically: a temporary folder beside it is filled, then renamed into place. An existing folder
+    is refused unless `overwrite`.
 
     eagle3lib reads back everything it writes, so its own checkpoints (`engines=None`) are saved whatever the
     engines do. An export names the projects it is for (`engines`, e.g. `LAYOUT_READERS[layout]`) and is
@@ -497,8 +503,10 @@ def save_drafter(
     `allow_engine_mismatch` (`convert` reports them). A speculators-layout save needs the
     token embedding unless it is for vLLM alone (vLLM takes the target's)."""
     path = Path(path)
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} exists; refusing to overwrite a checkpoint (pass overwrite=True)")
+    if os.path.lexists(path) and not overwrite:
+        raise FileExistsError(
+            f"{describe_occupant(path)}; refusing to overwrite a checkpoint (pass overwrite=True)"
+        )
     if engines is not None:
         drafter.config.check_engines(layout, f"export to {path}", allow_engine_mismatch, engines)
         if layout == "speculators" and "speculators" in engines and not drafter.config.verifier:
@@ -515,8 +523,10 @@ def save_drafter(
     )
     dtype = str(drafter.lm_head.weight.dtype).removeprefix("torch.")
     with staged_folder(path, replace=overwrite) as staging:
-        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         write_config(drafter.config, staging, layout, dtype)
+        for name, text in (files or {}).items():
+            atomic_write_text(staging / name, text)
     return path
 
 

@@ -7,6 +7,7 @@ heavy imports happen inside the handlers so `eagle3 --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -32,6 +33,30 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="reuse an existing run folder")
 
 
+def check_notebook_settings(params: dict, notebooks: list[str]) -> None:
+    """Refuse, naming each notebook and key, any setting one of `notebooks` (e.g. "04_finetune") would refuse
+    itself, perhaps hours into a run; each check is the one that notebook's step runs when it starts."""
+    from eagle3lib import capture, engines, evaluate, remap, train
+    from eagle3lib.runs import ParamsError
+
+    checks = {
+        "00_prepare_data": [capture.check_prepare_settings, train.check_stand_in_settings],
+        "01_probe_drafter": [engines.check_probe_settings],
+        "03_remap_lm_head": [remap.check_remap_settings],
+        "04_finetune": [lambda params: train.check_settings(params["train"])],
+        "05_evaluate": [evaluate.check_evaluate_settings],
+    }
+    problems = []
+    for notebook in notebooks:
+        try:
+            for check in checks.get(notebook, []):
+                check(params)
+        except ValueError as err:
+            problems.append(f"{notebook}: {err}")
+    if problems:
+        raise ParamsError("; ".join(problems))
+
+
 @command("run", "execute the numbered notebooks with papermill into outputs/<run>/", _run_arguments)
 def _run(args: argparse.Namespace) -> int:
     from eagle3lib import report, runs
@@ -42,6 +67,8 @@ def _run(args: argparse.Namespace) -> int:
     params = runs.load_params(args.params, overrides)
     run_dir = runs.OUTPUTS_DIR / params["run"]["name"]
     only = args.only.split(",") if args.only else None
+    # every selected notebook's settings, before the first starts
+    check_notebook_settings(params, [notebook.stem for notebook in runs.notebook_paths(only)])
     failure = None
     try:
         runs.run_notebooks(args.params, run_dir, overrides, only=only, overwrite=args.overwrite)
@@ -490,8 +517,15 @@ def main(argv: list[str] | None = None) -> int:
     from eagle3lib.runs import ParamsError, RunExistsError
 
     try:
-        return args.handler(args) or 0
-    except (ParamsError, RunExistsError, FileNotFoundError, ValueError) as err:  # DataError is a ValueError
+        code = args.handler(args) or 0
+        sys.stdout.flush()  # a reader gone (`eagle3 inspect ... | head`) shows here, not in Python's exit
+        return code
+    except BrokenPipeError:
+        # nobody reads the rest: stop quietly, stdout on /dev/null so that the flush at exit fails no more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    # OSError: e.g. "writing PATH: ..."; DataError (conversations, regeneration) is a ValueError
+    except (ParamsError, RunExistsError, OSError, ValueError) as err:
         print(f"eagle3 {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -327,10 +327,30 @@ def config_layout(raw: dict, where: str) -> str:
     )
 
 
-def _require(raw: dict, key: str, where: str) -> Any:
-    if raw.get(key) is None:
-        raise ConfigError(f"{where}: required key '{key}' is missing")
-    return raw[key]
+_REQUIRED = object()
+
+
+def _number(raw: dict, key: str, where: str, kind: type = int, default: Any = _REQUIRED) -> Any:
+    """`raw[key]` as `kind`, or `default` when it is absent or null (a required key without one), naming the
+    file and the key when it is not a number."""
+    value = raw.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"{where}: required key '{key}' is missing")
+        return default
+    try:
+        return kind(value)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{where}: {key} must be a number, got {value!r}") from err
+
+
+def _layer_ids(raw: dict, key: str, where: str) -> list[int] | None:
+    """The aux layer ids under `key` (None when absent), naming the file and key unless they are integers."""
+    ids = raw.get(key)
+    try:
+        return None if ids is None else [int(i) for i in ids]
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{where}: {key} must be a list of integers, got {ids!r}") from err
 
 
 def _refuse_biases(raw: dict, where: str) -> None:
@@ -348,28 +368,28 @@ def _read_rope(raw: dict, where: str) -> tuple[float, dict | None]:
                 f"{where}: rope_parameters must be an object with rope_theta, got {parameters!r}"
             )
         scaling = {k: v for k, v in parameters.items() if k != "rope_theta"}
-        return float(parameters["rope_theta"]), scaling
-    return float(raw.get("rope_theta", 10000.0)), raw.get("rope_scaling")
+        return _number(parameters, "rope_theta", where, float), scaling
+    return _number(raw, "rope_theta", where, float, 10000.0), raw.get("rope_scaling")
 
 
 def _layer_fields(raw: dict, where: str) -> dict:
     """The decoder-layer settings shared by both layouts (flat in SGLang's, nested in speculators')."""
     _refuse_biases(raw, where)
-    hidden_size = int(_require(raw, "hidden_size", where))
-    heads = int(_require(raw, "num_attention_heads", where))
+    hidden_size = _number(raw, "hidden_size", where)
+    heads = _number(raw, "num_attention_heads", where)
     rope_theta, rope_scaling = _read_rope(raw, where)
     return dict(
         hidden_size=hidden_size,
         num_attention_heads=heads,
-        num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or hidden_size // heads),
-        intermediate_size=int(_require(raw, "intermediate_size", where)),
-        vocab_size=int(_require(raw, "vocab_size", where)),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        num_key_value_heads=_number(raw, "num_key_value_heads", where, default=None) or heads,
+        head_dim=_number(raw, "head_dim", where, default=None) or hidden_size // heads,
+        intermediate_size=_number(raw, "intermediate_size", where),
+        vocab_size=_number(raw, "vocab_size", where),
+        rms_norm_eps=_number(raw, "rms_norm_eps", where, float, 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        num_hidden_layers=int(raw.get("num_hidden_layers", 1)),
+        max_position_embeddings=_number(raw, "max_position_embeddings", where, default=2048),
+        num_hidden_layers=_number(raw, "num_hidden_layers", where, default=1),
         hidden_act=str(raw.get("hidden_act", "silu")),
     )
 
@@ -381,7 +401,7 @@ def _from_sglang(raw: dict, where: str, notes: list[str]) -> DrafterConfig:
         raise ConfigError(
             f"{where}: eagle_config.use_aux_hidden_state=false is an EAGLE-1/2 drafter, not EAGLE-3"
         )
-    aux = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    aux = _layer_ids(eagle_config, "eagle_aux_hidden_state_layer_ids", f"{where} (eagle_config)")
     if aux is None:
         notes.append("no eagle_aux_hidden_state_layer_ids: engines use the target's default [1, N//2-1, N-4]")
     if "norm_before_residual" not in raw:
@@ -390,14 +410,14 @@ def _from_sglang(raw: dict, where: str, notes: list[str]) -> DrafterConfig:
         notes.append("draft_vocab_size absent: equal to vocab_size, as SGLang assumes")
     return DrafterConfig(
         **fields,
-        draft_vocab_size=int(raw.get("draft_vocab_size") or fields["vocab_size"]),
+        draft_vocab_size=_number(raw, "draft_vocab_size", where, default=None) or fields["vocab_size"],
         target_hidden_size=raw.get("target_hidden_size"),
         aux_layer_ids=aux,
         norm_before_residual=bool(raw.get("norm_before_residual", False)),
         norm_before_fc=bool(raw.get("norm_before_fc", False)),
         fc_norm=bool(raw.get("fc_norm", False)),
         **_sglang_output_flags(raw, notes),
-        **_read_speculation(raw.get(SPECULATION_KEY) or {}),
+        **_read_speculation(raw.get(SPECULATION_KEY) or {}, f"{where} ({SPECULATION_KEY})"),
     )
 
 
@@ -420,12 +440,12 @@ def _sglang_output_flags(raw: dict, notes: list[str]) -> dict:
     return dict(norm_before_lm_head=bool(norm_output), feed_normed_hidden=False)
 
 
-def _read_speculation(block: dict) -> dict:
+def _read_speculation(block: dict, where: str) -> dict:
     """speculative_tokens and verifier from a speculators_config-shaped block."""
     proposals = block.get("proposal_methods") or [{}]
     verifier = block.get("verifier") or {}
     return dict(
-        speculative_tokens=int(proposals[0].get("speculative_tokens", 3)),
+        speculative_tokens=_number(proposals[0], "speculative_tokens", where, default=3),
         verifier=verifier.get("name_or_path"),
         verifier_architectures=list(verifier.get("architectures") or []),
     )
@@ -447,14 +467,14 @@ def _from_speculators(raw: dict, where: str, notes: list[str]) -> DrafterConfig:
             "layers are supported"
         )
     fields = _layer_fields(layer, f"{where} (transformer_layer_config)")
-    aux = raw.get("eagle_aux_hidden_state_layer_ids")
+    aux = _layer_ids(raw, "eagle_aux_hidden_state_layer_ids", where)
     if aux is None:
         notes.append("no eagle_aux_hidden_state_layer_ids: vLLM uses the target's default (2, N//2, N-3)")
     if "norm_before_residual" not in raw:
         notes.append("norm_before_residual absent: True, as vLLM reads a speculators config")
     return DrafterConfig(
         **fields,
-        draft_vocab_size=int(_require(raw, "draft_vocab_size", where)),
+        draft_vocab_size=_number(raw, "draft_vocab_size", where),
         target_hidden_size=raw.get("target_hidden_size"),
         aux_layer_ids=aux_ids_from_vllm(aux) if aux is not None else None,
         norm_before_residual=bool(raw.get("norm_before_residual", True)),
@@ -462,7 +482,7 @@ def _from_speculators(raw: dict, where: str, notes: list[str]) -> DrafterConfig:
         fc_norm=bool(raw.get("fc_norm", False)),
         feed_normed_hidden=bool(raw.get("norm_output", False)),  # speculators' meaning (EAGLE-3.1)
         norm_before_lm_head=bool(raw.get(NORM_BEFORE_LM_HEAD_KEY, True)),
-        **_read_speculation(raw.get("speculators_config") or {}),
+        **_read_speculation(raw.get("speculators_config") or {}, f"{where} (speculators_config)"),
     )
 
 

@@ -51,11 +51,35 @@ class EngineResult:
 # ---------------------------------------------------------------- one entry point for the notebooks
 
 
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
+def check_probe_settings(params: dict, drafter: bool = True) -> None:
+    """Refuse `probe` settings that cannot work, naming the key, before a target is loaded: those of
+    01_probe_drafter (its `drafter` too), and the decoding 05_evaluate shares with it (`drafter=False`)."""
+    from eagle3lib import benchmarks
+    from eagle3lib.runs import check_positive
+    from eagle3lib.speculate import DraftSettings
+
+    p = params["probe"]
+    check_backend(p["backend"])
+    if drafter and not p["drafter"]:
+        raise ValueError("probe.drafter is empty: give the drafter checkpoint folder to probe")
+    benchmarks.check_corpus(p["corpus"], "probe.corpus")
+    check_positive("probe", p, ("num_prompts", "prompt_chars", "max_new_tokens", "batch_size"))
+    try:
+        DraftSettings(steps=p["steps"], topk=p["topk"], num_draft_tokens=p["num_draft_tokens"],
+                      temperature=p["temperature"])
+    except ValueError as err:
+        raise ValueError(f"probe.steps, topk, num_draft_tokens, temperature: {err}") from err
+
+
 def open_target(spec: str, backend: str, dtype: str = "auto", device: str = "auto", cache_dir: str = ""):
     """(target, tokenizer): builtin decodes in this process, so the model is loaded (a `Target`); the
     engines load it themselves, so they get its Hugging Face folder, and the tokenizer is loaded here."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    check_backend(backend)
     if backend == "builtin":
         from eagle3lib.target import Target
 
@@ -144,8 +168,7 @@ def probe(
     probes of the same prompts), vllm or sglang."""
     from eagle3lib.runs import resolve_path
 
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    check_backend(backend)
     if not drafter:
         raise ValueError("no drafter checkpoint given (probe.drafter is empty)")
     drafter = resolve_path(drafter)

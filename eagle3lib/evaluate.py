@@ -188,6 +188,25 @@ def engine_terms(settings: DraftSettings) -> str:
     return f"{sglang} (a tree; vLLM drafts chains only)"
 
 
+def check_evaluate_settings(params: dict) -> None:
+    """Refuse 05_evaluate's settings that cannot work, naming the key, before a target is loaded: the
+    drafters, the benchmarks, the K sweep and the decoding it shares with `probe`."""
+    from eagle3lib import engines
+    from eagle3lib.benchmarks import check_corpus
+
+    engines.check_probe_settings(params, drafter=False)
+    engines.drafter_entries(params["evaluate"]["drafters"])
+    for i, benchmark in enumerate(benchmarks_of(params)):
+        check_corpus(benchmark.corpus, f"evaluate.benchmarks[{i}].corpus")
+    e = params["evaluate"]
+    try:
+        depth_grid(e["sweep_steps"], e["sweep_tree"], params["probe"]["temperature"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"evaluate.sweep_steps or evaluate.sweep_tree ({e['sweep_tree']}): {err}") from err
+    if e["sweep_batch_size"] < 1 or e["sweep_prompts"] < 1:
+        raise ValueError("evaluate.sweep_batch_size and evaluate.sweep_prompts must be at least 1")
+
+
 def benchmarks_of(params: dict) -> list[Benchmark]:
     """`evaluate.benchmarks`, or the probe's own prompts as the one benchmark."""
     entries = params["evaluate"]["benchmarks"]

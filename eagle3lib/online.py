@@ -23,7 +23,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
 from eagle3lib import runs
@@ -75,9 +74,10 @@ def make_text(target: Target, data: dict, seed: int, folder: Path) -> Path:
         "num_loss_tokens": int(loss_mask.sum()),
     }
     with runs.staged_folder(folder) as staging:
-        save_file({"input_ids": input_ids, "loss_mask": loss_mask,
-                   "sample_lengths": torch.tensor([len(s.input_ids) for s in kept])}, staging / TEXT_FILE)
-        save_file({"counts": counts}, staging / "token_counts.safetensors")
+        runs.save_safetensors({"input_ids": input_ids, "loss_mask": loss_mask,
+                               "sample_lengths": torch.tensor([len(s.input_ids) for s in kept])},
+                              staging / TEXT_FILE)
+        runs.save_safetensors({"counts": counts}, staging / "token_counts.safetensors")
         VocabMap.from_counts(counts, data["draft_vocab_size"], target.vocab_size, str(folder)).save(
             staging / VOCAB_MAP_FILE)
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

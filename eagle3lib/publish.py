@@ -44,7 +44,7 @@ def publish(run_dir: Path, arm: str, out: Path, *, command: str, dtype: torch.dt
     summary = json.loads(summary_path.read_text())
     drafter, report = load_drafter(arm_folder / "drafter", strict=True, dtype=dtype)
     metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
-    curve = [json.loads(line) for line in (arm_folder / "metrics.jsonl").read_text().splitlines()]
+    curve = runs.read_json_lines(arm_folder / "metrics.jsonl")
     with runs.staged_folder(Path(out)) as staging:
         save_drafter(drafter, staging / "drafter")
         for item in (staging / "drafter").iterdir():

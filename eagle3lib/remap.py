@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from eagle3lib.model import Eagle3Drafter
-from eagle3lib.runs import ParamsError, atomic_write_text, resolve_path
+from eagle3lib.runs import ParamsError, describe_occupant, resolve_path
 from eagle3lib.vocab import VocabMap
 
 MISSING_POLICIES = ("verifier", "mean", "zeros", "random")
@@ -323,6 +323,12 @@ def load_target_head(spec: str | os.PathLike) -> dict[str, torch.Tensor]:
     return Target.load(spec, device="cpu").head_weights()
 
 
+def check_remap_settings(params: dict) -> None:
+    """Refuse 03_remap_lm_head's settings that cannot work, naming the key, before anything is loaded."""
+    if params["remap"]["missing"] not in MISSING_POLICIES:
+        raise RemapError(f"remap.missing must be one of {POLICY_NAMES}, got {params['remap']['missing']!r}")
+
+
 def remap_checkpoint(
     source: str | os.PathLike,
     to_map: str | os.PathLike,
@@ -341,8 +347,8 @@ def remap_checkpoint(
     from eagle3lib import checkpoint
 
     out = Path(out)
-    if out.exists():
-        raise RemapError(f"{out} exists; a remapped drafter never overwrites a checkpoint")
+    if os.path.lexists(out):
+        raise RemapError(f"{describe_occupant(out)}; a remapped drafter never overwrites a checkpoint")
     drafter, _ = checkpoint.load_drafter(source, strict=True)
     vt = drafter.config.vocab_size
     new_map = VocabMap.load(to_map, vt=vt)
@@ -361,15 +367,10 @@ def remap_checkpoint(
     remapped, report = remap_drafter(drafter, new_map, missing, target_head, seed)
     if not report.proof.passed:
         raise RemapError(f"{source} → {to_map}: {report.proof.summary()}; nothing written")
-    checkpoint.save_drafter(remapped, out, layout=checkpoint.detect_layout(source))
-    write_report(report, out / "remap_report.json")
+    # the report goes into the staged folder: `out` never exists without it
+    checkpoint.save_drafter(remapped, out, layout=checkpoint.detect_layout(source),
+                            files={"remap_report.json": json.dumps(report.to_dict(), indent=2) + "\n"})
     return remapped, report
-
-
-def write_report(report: RemapReport, path: str | os.PathLike) -> Path:
-    path = Path(path)
-    atomic_write_text(path, json.dumps(report.to_dict(), indent=2) + "\n")
-    return path
 
 
 def notebook_inputs(params: dict, run_dir: str | os.PathLike, names: tuple[str, ...]) -> dict[str, Path]:

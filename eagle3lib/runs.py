@@ -9,12 +9,17 @@ itself only warns about unknown parameters).
 from __future__ import annotations
 
 import copy
+import errno
+import fcntl
+import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -171,6 +176,35 @@ class ParamsError(ValueError):
     """A params file or override that does not fit DEFAULTS."""
 
 
+class _ParamsLoader(yaml.SafeLoader):
+    """`yaml.safe_load`, except that numbers with an exponent and no dot or no exponent sign (3e-4, 1.5e3) are
+    numbers: YAML 1.1 reads them as strings, and they are what people type."""
+
+
+_ParamsLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"),
+)
+
+
+def _read_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_ParamsLoader)
+
+
+def check_run_name(where: str, key: str, name: str) -> None:
+    """A run name is one folder under outputs/: a '/', a '..' or an absolute path would write elsewhere."""
+    if not name or name == "." or "/" in name or ".." in name or os.path.isabs(name):
+        raise ParamsError(
+            f"{where}: key '{key}' is {name!r}; a run name is one folder name under outputs/, without '/' "
+            "or '..'"
+        )
+
+
+# Checks of single values beyond their type, by dotted key.
+VALUE_CHECKS = {"run.name": check_run_name}
+
+
 def _check_type(where: str, key: str, default: Any, value: Any) -> Any:
     if default is None or value is None:
         return value
@@ -209,6 +243,8 @@ def _merge(where: str, base: dict, update: dict, prefix: str = "") -> None:
             _merge(where, base[key], value, prefix=f"{dotted}.")
         else:
             base[key] = _check_type(where, dotted, base[key], value)
+            if dotted in VALUE_CHECKS and base[key] is not None:
+                VALUE_CHECKS[dotted](where, dotted, base[key])
 
 
 def parse_override(text: str) -> dict:
@@ -216,7 +252,11 @@ def parse_override(text: str) -> dict:
     if "=" not in text:
         raise ParamsError(f"override {text!r}: expected key=value, e.g. train.steps=100")
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw)
+    try:
+        value = _read_yaml(raw)
+    except yaml.YAMLError as err:
+        reason = getattr(err, "problem", None) or " ".join(str(err).split())
+        raise ParamsError(f"override {text!r}: the value is not valid YAML ({reason})") from err
     nested: dict = {}
     node = nested
     parts = key.strip().split(".")
@@ -245,7 +285,7 @@ def load_params(
         if not path.is_file():
             raise ParamsError(f"params file not found: {path}")
         try:
-            recipe = yaml.safe_load(path.read_text()) or {}
+            recipe = _read_yaml(path.read_text()) or {}
         except yaml.YAMLError as err:
             raise ParamsError(f"{path}: not valid YAML: {err}") from err
         _merge(str(path), params, recipe)
@@ -283,6 +323,11 @@ class RunExistsError(FileExistsError):
     pass
 
 
+def run_path(run_dir: str | os.PathLike | None, params: dict) -> Path:
+    """The run folder: `run_dir`, else `outputs/<run.name>/`."""
+    return resolve_path(run_dir) if run_dir else OUTPUTS_DIR / params["run"]["name"]
+
+
 class Run:
     """One run folder `outputs/<name>/`: the params used, metrics.json, one folder per notebook.
 
@@ -297,7 +342,7 @@ class Run:
 
     @classmethod
     def open(cls, run_dir: str | os.PathLike | None, params: dict, overwrite: bool = False) -> Run:
-        path = resolve_path(run_dir) if run_dir else OUTPUTS_DIR / params["run"]["name"]
+        path = run_path(run_dir, params)
         path.mkdir(parents=True, exist_ok=True)
         saved = path / "params.yaml"
         if saved.exists() and not overwrite:
@@ -423,42 +468,173 @@ def shareable_tree(folder: str | os.PathLike) -> Path:
     return shareable(folder)
 
 
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0 only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+def clear_stale_staging(path: Path) -> None:
+    """Remove what killed saves of `path` left beside it: staging of processes that no longer run on this
+    machine. Leftovers whose writer cannot be told (named without a process id, by an older eagle3lib) are
+    kept and named in a warning."""
+    # `.NAME.PID.RANDOM.tmp` (`.old`: a replaced folder on its way out); older saves wrote `.NAME.RANDOM.tmp`
+    staging = re.compile(rf"\.{re.escape(path.name)}\.(?:(?P<pid>[0-9]+)\.)?[^.]+\.(?:tmp|old)")
+    unknown = []
+    for leftover in path.parent.glob(f".{glob.escape(path.name)}.*"):
+        match = staging.fullmatch(leftover.name)
+        if not match:
+            continue
+        if match["pid"] is None:
+            unknown.append(leftover)
+        elif not _running(int(match["pid"])):
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+    if unknown:
+        warnings.warn(
+            f"{path.parent}: {', '.join(sorted(p.name for p in unknown))} left by an interrupted save of "
+            f"{path.name}; remove them once no other process is writing {path}", stacklevel=3,
+        )
+
+
+def staging_path(path: Path, folder: bool, suffix: str = ".tmp") -> Path:
+    """A new empty folder (or file) beside `path` to fill and then rename onto it, named after this process,
+    with the umask's permissions; stale staging from killed saves is cleared first."""
+    make_folder(path.parent)
+    clear_stale_staging(path)
+    prefix = f".{path.name}.{os.getpid()}."
+    if folder:
+        return shareable(tempfile.mkdtemp(dir=path.parent, prefix=prefix, suffix=suffix))
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=suffix)
+    os.close(fd)
+    return shareable(tmp)
+
+
+def describe_occupant(path: Path) -> str:
+    """Why `path` is taken, for a refusal: a dangling symbolic link is taken too (a rename onto it fails)."""
+    if path.is_symlink() and not path.exists():
+        return f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
+    return f"{path} exists"
+
+
+def make_folder(path: Path) -> Path:
+    """`path` as a folder, made with its parents where missing; one of them that is a file or a dangling
+    symbolic link is named."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as err:
+        blocker = next((p for p in (path, *path.parents) if os.path.lexists(p) and not p.is_dir()), path)
+        raise FileExistsError(f"{describe_occupant(blocker)}, not a folder: cannot write {path}") from err
+    return path
+
+
 @contextmanager
 def staged_folder(path: Path, replace: bool = False) -> Iterator[Path]:
     """A temporary folder beside `path` to fill: renamed to `path` when the block ends without an error (with
     the umask's permissions for all it holds), removed otherwise, so `path` never holds a half-written
     folder. An existing `path` is refused, or with `replace` moved aside first, so that the rename itself
     stays atomic."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = shareable(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    staging = staging_path(path, folder=True)
     try:
         yield staging
         shareable_tree(staging)
-        if not path.exists():
+        if not os.path.lexists(path):
             os.replace(staging, path)
         elif replace:
-            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
+            old = staging_path(path, folder=True, suffix=".old")
             os.replace(path, old / path.name)
             os.replace(staging, path)
             shutil.rmtree(old)
         else:
-            raise FileExistsError(f"{path} exists; refusing to replace it")
+            raise FileExistsError(f"{describe_occupant(path)}; refusing to replace it")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
+class WriteError(OSError):
+    """A file that could not be written; the message names it and the system's reason."""
+
+
+def write_failure(path: str | os.PathLike, err: BaseException) -> WriteError:
+    """`err`, raised while writing `path`, as "writing PATH: REASON" (e.g. No space left on device). The
+    reason is the OSError behind it: its own, the one a failed write left as its context (torch.save into a
+    file object), or the "os error N" in a safetensors message."""
+    cause: BaseException | None = err
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno):
+        cause = cause.__cause__ or cause.__context__
+    code = cause.errno if cause is not None else None
+    if code is None and (found := re.search(r"os error ([0-9]+)", str(err))):
+        code = int(found[1])
+    failure = WriteError(f"writing {path}: {os.strerror(code) if code else err}")
+    failure.errno = code
+    return failure
+
+
+def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
+    """safetensors' `save_file`, with a failure named by `write_failure`."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except Exception as err:  # safetensors raises its own error type for I/O errors
+        raise write_failure(path, err) from err
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write to a temporary file beside `path`, then rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = staging_path(path, folder=False)
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(shareable(tmp), path)
+        try:
+            with open(tmp, "w") as handle:
+                handle.write(text)
+        except OSError as err:
+            raise write_failure(path, err) from err
+        os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append `line` and a newline to `path` in one write, so that readers see whole lines; a write the disk
+    cuts short is taken back. A symbolic link is refused: a run appends to its own files only."""
+    data = (line + "\n").encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise WriteError(f"{path} is a symbolic link; a run appends only to files of its own") from err
+        raise write_failure(path, err) from err
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            while data:
+                data = data[os.write(fd, data) :]
+        except OSError as err:
+            os.ftruncate(fd, size)
+            raise write_failure(path, err) from err
+    finally:
+        os.close(fd)
+
+
+def json_line(line: str, path: Path, number: int) -> Any:
+    """Line `number` of the JSON-lines file `path`, parsed; a line that does not parse is refused by name."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}, line {number}: not valid JSON ({err})") from err
+
+
+def read_json_lines(path: Path) -> list:
+    """Every entry of a JSON-lines file (such as an arm's metrics.jsonl)."""
+    return [json_line(line, path, number) for number, line in enumerate(path.read_text().splitlines(), 1)]
 
 
 # ---------------------------------------------------------------- papermill driver
@@ -529,6 +705,35 @@ def execute_notebook(
     return time.perf_counter() - start
 
 
+def check_positive(section: str, settings: dict, keys: tuple[str, ...]) -> None:
+    """Refuse the settings among `keys` of `section` that are below 1, naming each."""
+    small = [f"{section}.{key} ({settings[key]})" for key in keys if settings[key] < 1]
+    if small:
+        raise ParamsError(f"{', '.join(small)} must be at least 1")
+
+
+LOCK_FILE = ".lock"
+
+
+@contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """Hold the run folder for the block: another `eagle3 run` on it is refused before it writes anything. The
+    lock (flock on `run_dir/.lock`) goes with the process holding it, so a killed run leaves none behind."""
+    with open(make_folder(run_dir) / LOCK_FILE, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "process unknown"
+            raise RunExistsError(
+                f"{run_dir} is in use by another run ({holder}); let it end or choose another run name"
+            ) from None
+        handle.truncate(0)
+        handle.write(f"process {os.getpid()}\n")
+        handle.flush()
+        yield
+
+
 def run_notebooks(
     params_file: str | os.PathLike,
     run_dir: str | os.PathLike | None = None,
@@ -538,30 +743,32 @@ def run_notebooks(
 ) -> Path:
     """Validate the params, then execute the numbered notebooks in order into the run folder."""
     params = load_params(params_file, overrides)  # fails here, before any work, on a bad key
-    run = Run.open(run_dir, params, overwrite=overwrite)
-    override_dict: dict = {}
-    for item in _as_override_dicts(overrides):
-        _deep_update(override_dict, item)
-    for notebook in notebook_paths(only):
-        output = run.path / notebook.name
-        if output.exists() and not overwrite:
-            raise RunExistsError(f"{output} exists from a previous run; use another run name")
-        print(f"[eagle3 run] {notebook.name} → {output}", flush=True)
-        record_provenance(run, [notebook.stem])
-        seconds = execute_notebook(
-            notebook,
-            output,
-            {
-                "params_file": str(resolve_path(params_file)),
-                "run_dir": str(run.path),
-                "overrides": override_dict,
-                "overwrite": overwrite,
-            },
-            progress_bar=True,
-        )
-        walls = run.read_metrics().get("wall_seconds", {})
-        run.write_metrics("wall_seconds", {**walls, notebook.stem: seconds})
-        print(f"[eagle3 run] {notebook.name} done in {seconds:.1f} s", flush=True)
+    path = run_path(run_dir, params)
+    with run_lock(path):
+        run = Run.open(path, params, overwrite=overwrite)
+        override_dict: dict = {}
+        for item in _as_override_dicts(overrides):
+            _deep_update(override_dict, item)
+        for notebook in notebook_paths(only):
+            output = run.path / notebook.name
+            if output.exists() and not overwrite:
+                raise RunExistsError(f"{output} exists from a previous run; use another run name")
+            print(f"[eagle3 run] {notebook.name} → {output}", flush=True)
+            record_provenance(run, [notebook.stem])
+            seconds = execute_notebook(
+                notebook,
+                output,
+                {
+                    "params_file": str(resolve_path(params_file)),
+                    "run_dir": str(run.path),
+                    "overrides": override_dict,
+                    "overwrite": overwrite,
+                },
+                progress_bar=True,
+            )
+            walls = run.read_metrics().get("wall_seconds", {})
+            run.write_metrics("wall_seconds", {**walls, notebook.stem: seconds})
+            print(f"[eagle3 run] {notebook.name} done in {seconds:.1f} s", flush=True)
     return run.path
 
 

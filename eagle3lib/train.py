@@ -286,7 +286,7 @@ class ArmResult:
     @property
     def metrics(self) -> list[dict]:
         path = Path(self.folder) / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return runs.read_json_lines(path) if path.exists() else []
 
     def key_numbers(self) -> dict:
         """What the run summary and report tables show for this arm."""
@@ -338,7 +338,7 @@ def train_arm(arm: str, params: dict, out: Path, data: TrainingData, procs: Proc
     if folder.exists() and any(folder.iterdir()) and not resume:
         raise runs.RunExistsError(f"{folder} already holds a run; pass --resume to continue it")
     procs.barrier()  # every rank has looked before rank 0 writes
-    folder.mkdir(parents=True, exist_ok=True)
+    runs.make_folder(folder)
     log = _logger(folder / "log.txt", procs)
     start = time.perf_counter()
 
@@ -390,10 +390,11 @@ def train_arm(arm: str, params: dict, out: Path, data: TrainingData, procs: Proc
     final_metrics, final_baseline = trainer.evaluate(check_batches)
     final_check = diagnose(final_metrics, final_baseline, data.vocab_map.vd, warm_start=False)
     drafter_path = folder / "drafter"
-    if procs.main:
-        save_drafter(trainer.drafter, drafter_path, layout="sglang")
+    if procs.main:  # a resumed arm may have saved them before it was stopped: the same weights, replaced
+        save_drafter(trainer.drafter, drafter_path, layout="sglang", overwrite=resume)
         if train["save_speculators"]:
-            save_drafter(trainer.drafter, speculators_copy, layout="speculators", engines=export_engines)
+            save_drafter(trainer.drafter, speculators_copy, layout="speculators", engines=export_engines,
+                         overwrite=resume)
     result = ArmResult(
         arm=arm, folder=str(folder), init_report=init_report, check=asdict(check), final=final,
         final_check=asdict(final_check), drafter=str(drafter_path), steps=trainer.step,
@@ -412,8 +413,7 @@ def _logger(path: Path, procs: Processes):
         if procs.main:
             if echo:
                 print(message, flush=True)
-            with path.open("a") as handle:
-                handle.write(message + "\n")
+            runs.append_line(path, message)
 
     return log
 
@@ -463,6 +463,24 @@ def stand_in_path(params: dict, target_fingerprint: str, cache: Path) -> Path:
     return Path(cache) / "drafters" / f"stand-in-{stand_in_key(params, target_fingerprint)}"
 
 
+def stand_in_settings(params: dict, data: str = "") -> dict:
+    """The stand-in source drafter's train settings: `train`'s, for one scratch arm of `stand_in.steps` steps
+    in one process on `data`."""
+    return {**params["train"], "arms": ["scratch"], "data": data, "vocab_map": "", "drafter": "",
+            "steps": params["stand_in"]["steps"], "nproc": 1}
+
+
+def check_stand_in_settings(params: dict) -> None:
+    """Refuse, before 00_prepare_data captures anything, train settings the stand-in source drafter
+    (`data.source_corpus`) cannot train with."""
+    if params["data"]["source_corpus"]:
+        try:
+            check_settings(stand_in_settings(params))
+        except TrainingError as err:
+            raise TrainingError(f"the stand-in source drafter (data.source_corpus) trains with {err}") \
+                from err
+
+
 def train_stand_in(params: dict, run_dir: Path, target_fingerprint: str, cache: Path) -> Path:
     """Train the demo's source drafter and cache it; returns the cached checkpoint folder.
 
@@ -475,10 +493,7 @@ def train_stand_in(params: dict, run_dir: Path, target_fingerprint: str, cache: 
     cached = stand_in_path(params, target_fingerprint, cache)
     if cached.exists():
         return cached
-    stand_in = {**params, "train": {
-        **params["train"], "arms": ["scratch"], "data": str(prepared_dir(run_dir, "source")), "vocab_map": "",
-        "drafter": "", "steps": params["stand_in"]["steps"], "nproc": 1,
-    }}
+    stand_in = {**params, "train": stand_in_settings(params, str(prepared_dir(run_dir, "source")))}
     cached.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cached.parent, prefix=".stand-in-") as work:
         result = train_arms(stand_in, Path(work) / "train", run_dir)["scratch"]
@@ -493,7 +508,7 @@ def train_stand_in(params: dict, run_dir: Path, target_fingerprint: str, cache: 
 
 def launch(params: dict, out: Path, run_dir: Path | None = None, resume: bool = False) -> None:
     """Run `torchrun --nproc_per_node N -m eagle3lib.train` on these params, echoing its log as it goes."""
-    out.mkdir(parents=True, exist_ok=True)
+    runs.make_folder(out)
     params_file = out / "train_params.yaml"
     runs.atomic_write_text(params_file, yaml.safe_dump(params, sort_keys=False))
     command = [

@@ -11,7 +11,9 @@ import contextlib
 import json
 import math
 import os
+import pickle
 import random
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -195,7 +197,14 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: floa
 
 
 def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """Every generator's state in what a weights-only load reads: tensors, tuples, lists and numbers (numpy's
+    own form holds an ndarray, so its key goes in as a list)."""
+    kind, key, position, has_gauss, cached_gaussian = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [kind, key.tolist(), int(position), int(has_gauss), float(cached_gaussian)],
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -204,7 +213,8 @@ def _rng_state() -> dict:
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, key, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((kind, np.array(key, dtype=np.uint32), position, has_gauss, cached_gaussian))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -241,6 +251,10 @@ class Trainer:
         )
         self.stream = BatchStream(data.reader, train["batch_size"], train["seq_len"], seed, procs)
         self.step = 0
+        # the sums and tokens of the steps since the last metrics.jsonl entry: checkpointed, so that a resumed
+        # run logs what an uninterrupted one logs
+        self.window = torch.zeros(5, train["ttt_steps"], dtype=torch.float64)
+        self.window_tokens = 0
         self.autocast_dtype = autocast_dtype(train["dtype"], device)
 
     def to_device(self, batch: dict) -> dict:
@@ -317,8 +331,7 @@ class Trainer:
         metrics_path = self.out / "metrics.jsonl"
         if resume:
             self._restore_latest(metrics_path)
-        window = torch.zeros(5, t["ttt_steps"], dtype=torch.float64)
-        window_tokens, window_start, last = 0, time.perf_counter(), {}
+        window_start, last = time.perf_counter(), {}
         progress = progress_bar(total=t["steps"], initial=self.step, desc=self.out.name,
                                 disable=not procs.main)
         while self.step < t["steps"]:
@@ -338,24 +351,23 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
-            window += sums.cpu()
-            window_tokens += tokens
+            self.window += sums.cpu()
+            self.window_tokens += tokens
             if self.step % t["log_every"] == 0 or self.step == t["steps"]:
                 elapsed = time.perf_counter() - window_start
                 last = {
                     "step": self.step,
                     "lr": self.scheduler.get_last_lr()[0],
                     "grad_norm": grad_norm,
-                    "tokens_per_s": window_tokens / elapsed,
-                    **summarize(window, self.weights),
+                    "tokens_per_s": self.window_tokens / elapsed,
+                    **summarize(self.window, self.weights),
                 }
                 if procs.main:
-                    with metrics_path.open("a") as handle:
-                        handle.write(json.dumps(last) + "\n")
+                    runs.append_line(metrics_path, json.dumps(last))
                 progress.set_postfix(loss=f"{last['loss']:.3f}", acc_0=f"{100 * last['acc_0']:.1f} %",
                                      tau=f"{last['tau']:.2f}")
-                window.zero_()
-                window_tokens, window_start = 0, time.perf_counter()
+                self.window.zero_()
+                self.window_tokens, window_start = 0, time.perf_counter()
             progress.update(1)
             if t["checkpoint_every"] and self.step % t["checkpoint_every"] == 0 and self.step < t["steps"]:
                 self.save_checkpoint(self.stream.state)
@@ -375,13 +387,15 @@ class Trainer:
         if self.procs.main:
             with runs.staged_folder(path, replace=True) as staging:
                 save_drafter(self.drafter, staging / "drafter", layout="sglang")
-                torch.save(
+                save_state(
                     {
                         "step": self.step,
                         "optimizer": self.optimizer.state_dict(),
                         "scheduler": self.scheduler.state_dict(),
                         "data": data_state,
                         "rng": _rng_state(),
+                        "window": self.window.clone(),
+                        "window_tokens": self.window_tokens,
                         "train": self.train,
                         "seed": self.seed,
                         "world_size": self.procs.world_size,
@@ -401,10 +415,14 @@ class Trainer:
     def _restore_latest(self, metrics_path: Path) -> None:
         found = self.checkpoints()
         if not found:
-            self.log(f"resume: no checkpoint under {self.checkpoint_dir}; starting at step 0")
+            afresh = ""
+            if self.procs.main and metrics_path.exists():  # its entries came from steps trained again now
+                metrics_path.unlink()
+                afresh = f", {metrics_path} afresh"
+            self.log(f"resume: no checkpoint under {self.checkpoint_dir}; starting at step 0{afresh}")
             return
         path = found[-1]
-        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+        state = load_state(path / STATE_FILE)
         changed = sorted(
             key for key, value in self.train.items()
             if key not in RESUME_FREE and state["train"].get(key) != value
@@ -422,12 +440,44 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.stream.restore(state["data"])
         _set_rng_state(state["rng"])
+        self.window, self.window_tokens = state["window"], state["window_tokens"]
         self.step = state["step"]
         if self.procs.main and metrics_path.exists():  # drop entries logged after that checkpoint
-            lines = metrics_path.read_text().splitlines()
-            kept = [line for line in lines if json.loads(line)["step"] <= self.step]
+            whole, _, torn = metrics_path.read_text().rpartition("\n")
+            if torn:  # the last append was cut short (a full disk, a kill): its entry is after the checkpoint
+                self.log(f"resume: dropped the torn last line of {metrics_path} ({len(torn)} characters "
+                         "without their newline)")
+            lines = whole.splitlines()
+            kept = [line for number, line in enumerate(lines, 1)
+                    if runs.json_line(line, metrics_path, number)["step"] <= self.step]
             runs.atomic_write_text(metrics_path, "".join(line + "\n" for line in kept))
         self.log(f"resumed from {path} at step {self.step}")
+
+
+def save_state(state: dict, file: Path) -> None:
+    """torch.save into a file object of ours, so that a failed write says why (torch's own file writer
+    reports only "enforce fail at inline_container.cc")."""
+    try:
+        with open(file, "wb") as handle:
+            torch.save(state, handle)
+    except Exception as err:
+        raise runs.write_failure(file, err) from err
+
+
+def load_state(file: Path) -> dict:
+    """A training state, read by a weights-only load: tensors, containers, numbers and strings, never the
+    code a pickle can carry. A file that needs more was not written by this trainer and is refused."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        needs = found[1] if found else str(err).splitlines()[0]
+        raise TrainingError(
+            f"{file}: refused, it needs {needs}, which only an unsafe unpickler rebuilds (running code from "
+            "the file); a training state of eagle3lib holds tensors, numbers and strings only"
+        ) from err
+    except Exception as err:  # a damaged file: torch raises several types
+        raise TrainingError(f"{file}: not a readable training state ({err})") from err
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:

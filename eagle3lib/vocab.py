@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from eagle3lib.runs import shareable
+from eagle3lib.runs import save_safetensors, shareable, staging_path
 
 
 class VocabMapError(ValueError):
@@ -247,15 +245,13 @@ class VocabMap:
         path = Path(path)
         if path.exists():
             raise FileExistsError(f"{path} exists; vocab maps are never overwritten")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
+        tmp = staging_path(path, folder=False)
         try:
             metadata = {"vd": str(self.vd), "vt": str(self.vt)}
-            save_file({"d2t": self.d2t, "t2d": self.t2d}, tmp, metadata=metadata)
-            os.replace(shareable(tmp), path)
+            save_safetensors({"d2t": self.d2t, "t2d": self.t2d}, tmp, metadata=metadata)
+            os.replace(shareable(tmp), path)  # safetensors writes its file private (0600)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
         return path
 

@@ -32,7 +32,6 @@ import os
 import shutil
 import sys
 import sysconfig
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -43,7 +42,7 @@ from unittest import mock
 import torch
 
 from eagle3lib.progress import live_bar_class, progress, quiet_hf_loading
-from eagle3lib.runs import shareable, shareable_tree
+from eagle3lib.runs import resolve_path, shareable_tree, staging_path
 
 ZOO_PREFIX = "zoo:"
 SMOLLM2 = "smollm2-135m-instruct"
@@ -99,11 +98,32 @@ def resolve(spec: str, cache: str | os.PathLike | None = None) -> Path:
     builders = {SMOLLM2: _build_smollm2, TINY_LLAMA: _build_tiny_llama}
     if name not in builders:
         raise ZooError(f"unknown zoo model {spec!r}; known: {', '.join(ZOO_PREFIX + n for n in builders)}")
-    folder = cache_dir(cache) / f"{name}-v{RECIPE_VERSION}"
+    folder = _model_folder(name, cache)
     if not (folder / "config.json").is_file():
         with quiet_hf_loading():
             _build_atomically(folder, builders[name], cache)
     return folder
+
+
+def _model_folder(name: str, cache: str | os.PathLike | None) -> Path:
+    return cache_dir(cache) / f"{name}-v{RECIPE_VERSION}"
+
+
+def configured_vocab_size(spec: str, cache: str | os.PathLike | None = None) -> int | None:
+    """The target's vocab size as its config says, without loading or building anything: tiny-llama's
+    recipe, or the config.json of a local folder or of a zoo model already converted; None when no config is
+    at hand (a model id in the Hugging Face cache, a zoo model not converted yet)."""
+    if is_zoo_spec(spec):
+        name = str(spec).removeprefix(ZOO_PREFIX)
+        if name == TINY_LLAMA:
+            return TINY_LLAMA_CONFIG["vocab_size"]
+        file = _model_folder(name, cache) / "config.json"
+    else:
+        file = resolve_path(spec) / "config.json"
+    try:
+        return int(json.loads(file.read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):  # not at hand, or not a config that says
+        return None
 
 
 def smollm2_gguf_path() -> Path:
@@ -125,8 +145,7 @@ def _require_gguf_support() -> None:
 
 def _build_atomically(folder: Path, build, cache) -> None:
     """Build into a temporary folder beside `folder`, then rename; a concurrent builder's result wins."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = shareable(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
+    tmp = staging_path(folder, folder=True)
     try:
         build(tmp, cache)
         shareable_tree(tmp)  # save_pretrained's safetensors files are private (0600) otherwise

@@ -1,7 +1,9 @@
 """Fixtures shared by several test files."""
 
 import pytest
+import safetensors.torch
 import torch
+from safetensors import SafetensorError
 
 
 @pytest.fixture
@@ -17,3 +19,13 @@ def one_torch_thread():
 def one_thread_kernels(monkeypatch):
     """The same for notebook kernels and other child processes, which inherit OMP_NUM_THREADS."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """safetensors' save_file failing as it does on a full disk (its message, seen on a 64 KiB tmpfs)."""
+
+    def save_file(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)

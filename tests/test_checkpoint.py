@@ -2,6 +2,10 @@
 
 import argparse
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -563,3 +567,60 @@ def test_cli_convert(tmp_path, capsys):
     assert cli.main(["convert", str(FIXTURES / "sglang_tiny"), "--to", "sglang", "-o", str(out_dir)]) == 2
     assert "refusing to overwrite" in capsys.readouterr().err
     assert cli.main(["convert", str(tmp_path / "nowhere"), "--to", "sglang", "-o", str(tmp_path / "x")]) == 2
+
+
+# ----------------------------------------------------------------------------- faults (issue 28)
+
+
+def test_integer_weights_are_refused_by_name(tmp_path):
+    save_drafter(project_drafter(), tmp_path / "c")
+    rewrite_tensors(tmp_path / "c", lambda t: t.update({"fc.weight": t["fc.weight"].to(torch.int32)}))
+    for strict in (True, False):
+        with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor fc\.weight is int32; the "
+                           r"drafter's fc\.weight takes floating-point weights"):
+            load_drafter(tmp_path / "c", strict=strict)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda raw: raw.update(hidden_size="abc"), "config.json: hidden_size must be a number, got 'abc'"),
+    (lambda raw: raw.update(rms_norm_eps=[1e-6]), "config.json: rms_norm_eps must be a number, got [1e-06]"),
+    (lambda raw: raw["eagle_config"].update(eagle_aux_hidden_state_layer_ids=["one", 3, 4]),
+     "config.json (eagle_config): eagle_aux_hidden_state_layer_ids must be a list of integers, got "
+     "['one', 3, 4]"),
+    (lambda raw: raw["eagle3lib_speculation"]["proposal_methods"][0].update(speculative_tokens="x"),
+     "config.json (eagle3lib_speculation): speculative_tokens must be a number, got 'x'"),
+])
+def test_non_numbers_in_a_config_name_the_file_and_key(tmp_path, change, message):
+    save_drafter(project_drafter(), tmp_path / "c")
+    rewrite_config(tmp_path / "c", change)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        read_config(tmp_path / "c")
+
+
+def test_convert_names_a_full_disk_and_a_dangling_output_link(tmp_path, capsys, monkeypatch, full_disk):
+    source = str(FIXTURES / "sglang_tiny")
+    assert cli.main(["convert", source, "--to", "sglang", "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"eagle3 convert: error: writing {re.escape(str(tmp_path))}/\.out\.[\w.]+\.tmp/"
+                        r"model\.safetensors: No space left on device\n", err), err
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "nowhere")
+    assert cli.main(["convert", source, "--to", "sglang", "-o", str(link)]) == 2
+    assert capsys.readouterr().err == (
+        f"eagle3 convert: error: {link} is a symbolic link to {tmp_path / 'nowhere'}, which does not exist; "
+        "refusing to overwrite a checkpoint (pass overwrite=True)\n"
+    )
+
+
+def test_inspect_into_a_closed_pipe_ends_quietly():
+    """`eagle3 inspect ... | head`: the reader leaves early; no BrokenPipeError traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        command = [sys.executable, "-m", "eagle3lib.cli", "inspect", str(FIXTURES / "sglang_tiny")]
+        done = subprocess.run(command, stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (1, "")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from eagle3lib.model import Eagle3Drafter
 from eagle3lib.remap import (
     RemapError,
     prove_logits_preserved,
+    remap_checkpoint,
     remap_drafter,
     remap_rows,
     source_positions,
@@ -263,3 +266,41 @@ def test_cli_remap_refuses_a_bad_map_naming_the_file(tmp_path, capsys):
     assert cli.main(args) == 2
     assert "bad.pt: d2t has 96 entries but t2d marks 512 tokens" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+# ----------------------------------------------------------------------------- faults (issue 28)
+
+
+def test_remap_killed_at_its_rename_leaves_a_whole_folder_or_none(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    replace = os.replace
+
+    def killed(before_rename: bool):
+        def rename_then_die(source, destination):
+            if Path(destination) == out and before_rename:
+                raise KeyboardInterrupt
+            replace(source, destination)
+            if Path(destination) == out:
+                raise KeyboardInterrupt
+        return rename_then_die
+
+    monkeypatch.setattr(os, "replace", killed(before_rename=True))
+    with pytest.raises(KeyboardInterrupt):
+        remap_checkpoint(TINY / "sglang_tiny", NEW_MAP, out)
+    assert list(tmp_path.iterdir()) == []  # nothing half-written blocks a rerun
+    monkeypatch.setattr(os, "replace", killed(before_rename=False))
+    with pytest.raises(KeyboardInterrupt):
+        remap_checkpoint(TINY / "sglang_tiny", NEW_MAP, out)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "remap_report.json"]
+    assert json.loads((out / "remap_report.json").read_text())["proof"]["passed"]
+
+
+def test_remap_names_a_full_disk(tmp_path, full_disk, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["remap", str(TINY / "sglang_tiny"), "--to-map", str(NEW_MAP), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"eagle3 remap: error: writing {re.escape(str(tmp_path))}/\.out\.[\w.]+\.tmp/"
+                        r"model\.safetensors: No space left on device\n", err), err
+    assert list(tmp_path.iterdir()) == []

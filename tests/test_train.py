@@ -7,18 +7,22 @@ is the next token). A drafter can learn succ from the embedded token alone.
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import math
+import os
+import re
 
 import pytest
 import torch
 
-from eagle3lib import data, loss, runs, train
+from eagle3lib import data, loss, publish, runs, train, trainer
 from eagle3lib.capture import DataWriter
 from eagle3lib.checkpoint import load_drafter, save_drafter
 from eagle3lib.config import EngineMismatchError
 from eagle3lib.data import TrainingData
-from eagle3lib.trainer import BatchStream, Processes, Trainer, TrainingDiverged, TrainingError
+from eagle3lib.trainer import STATE_FILE, BatchStream, Processes, Trainer, TrainingDiverged, TrainingError
 from eagle3lib.vocab import VocabMap, load_counts
 
 VT, VD, H, A, T = 128, 64, 32, 3, 16
@@ -388,3 +392,145 @@ def test_eagle3_train_command_trains_the_recipes_arms_and_refuses_to_overwrite(t
     assert torch.equal(drafter.d2t, VocabMap.load(data_folder["vocab_map"]).d2t)
     assert cli.main(arguments) == 2  # the finished arm is kept, not trained over
     assert "already holds a finished arm" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- faults (issue 28)
+
+
+class PlantedCode:
+    """What a pickle can carry: rebuilding it by an unsafe unpickler runs code (here, it writes `marker`)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def test_resume_reads_the_training_state_weights_only_and_refuses_planted_code(tmp_path, data_folder,
+                                                                               monkeypatch):
+    params = tiny_params(data_folder, steps=6, log_every=1, checkpoint_every=2, keep_checkpoints=1)
+    train_interrupted(params, tmp_path, monkeypatch, steps_done=3)  # the checkpoint of step 2 on disk
+    state_file = tmp_path / "scratch" / "checkpoints" / "step_000002" / STATE_FILE
+    state = torch.load(state_file, weights_only=True)  # what the trainer writes needs no code to read
+    assert state["step"] == 2 and isinstance(state["rng"]["numpy"][1], list)
+    marker = tmp_path / "ran"
+    torch.save({**state, "rng": PlantedCode(marker)}, state_file)
+    with pytest.raises(TrainingError, match=rf"^{re.escape(str(state_file))}: refused, it needs exec, which "
+                       "only an unsafe unpickler rebuilds"):
+        train.train_arms(params, tmp_path, resume=True)
+    assert not marker.exists()
+
+
+def without_speed(entries: list[dict]) -> list[dict]:
+    """metrics.jsonl entries without tokens_per_s, the one wall-clock number in them."""
+    return [{key: value for key, value in entry.items() if key != "tokens_per_s"} for entry in entries]
+
+
+def test_resume_logs_exactly_what_the_uninterrupted_run_logs(tmp_path, data_folder, monkeypatch):
+    """The entry of step 4 spans the checkpoint of step 3: its sums come from both runs. A kill before the
+    first checkpoint restarts at step 0 with metrics.jsonl afresh, not with steps logged twice."""
+    params = tiny_params(data_folder, steps=8, log_every=2, checkpoint_every=3, keep_checkpoints=1)
+    whole = train.train_arms(params, tmp_path / "whole")["scratch"].metrics
+    assert [m["step"] for m in whole] == [2, 4, 6, 8]
+    for cut, steps_done in (("after_checkpoint", 5), ("before_checkpoint", 2)):
+        train_interrupted(params, tmp_path / cut, monkeypatch, steps_done=steps_done)
+        resumed = train.train_arms(params, tmp_path / cut, resume=True)["scratch"].metrics
+        assert without_speed(resumed) == without_speed(whole), cut
+    metrics = tmp_path / "before_checkpoint" / "scratch" / "metrics.jsonl"
+    assert f"starting at step 0, {metrics} afresh" in metrics.with_name("log.txt").read_text()
+
+
+def test_a_torn_metrics_line_is_dropped_on_resume_and_a_broken_one_is_named(tmp_path, data_folder,
+                                                                           monkeypatch, capsys):
+    params = tiny_params(data_folder, steps=8, log_every=1, checkpoint_every=3, keep_checkpoints=1)
+    whole = train.train_arms(params, tmp_path / "whole")["scratch"].metrics
+    run, out = tmp_path / "run", tmp_path / "run" / "04_finetune"
+    train_interrupted(params, out, monkeypatch, steps_done=5)
+    metrics = out / "scratch" / "metrics.jsonl"
+    with metrics.open("a") as handle:  # the disk filled up during this append
+        handle.write('{"step": 6, "lr": 0.002, "grad_norm": 0.')
+    capsys.readouterr()
+    resumed = train.train_arms(params, out, resume=True)["scratch"]
+    assert (f"resume: dropped the torn last line of {metrics} (40 characters without their newline)"
+            in capsys.readouterr().out)
+    assert without_speed(resumed.metrics) == without_speed(whole)
+    # a line broken elsewhere is refused naming the file and the line: by notebook 04, publish and resume
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], lines[1][:50], *lines[2:]]) + "\n")
+    named = rf"^{re.escape(str(metrics))}, line 2: not valid JSON \("
+    with pytest.raises(ValueError, match=named):
+        _ = resumed.metrics
+    (run / "metrics.json").write_text("{}")
+    with pytest.raises(ValueError, match=named):
+        publish.publish(run, "scratch", tmp_path / "published", command="test")
+    (metrics.parent / "summary.json").unlink()
+    with pytest.raises(ValueError, match=named):
+        train.train_arms(params, out, resume=True)
+
+
+def test_resume_after_the_final_drafter_was_saved_finishes_the_arm(tmp_path, data_folder, monkeypatch):
+    params = tiny_params(data_folder, steps=6, log_every=2, checkpoint_every=2, save_speculators=True)
+    whole = train.train_arms(params, tmp_path / "whole")["scratch"]
+    saved = train.save_drafter
+
+    def killed_after_the_rename(drafter, path, *args, **kwargs):
+        saved(drafter, path, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "save_drafter", killed_after_the_rename)
+    with pytest.raises(KeyboardInterrupt):
+        train.train_arms(params, tmp_path / "cut")
+    monkeypatch.setattr(train, "save_drafter", saved)
+    folder = tmp_path / "cut" / "scratch"
+    assert (folder / "drafter").is_dir() and not (folder / "summary.json").exists()
+    resumed = train.train_arms(params, tmp_path / "cut", resume=True)["scratch"]
+    assert without_speed(resumed.metrics) == without_speed(whole.metrics)
+    for name in ("drafter", "drafter-speculators"):
+        a, b = load_drafter(tmp_path / "whole" / "scratch" / name)[0], load_drafter(folder / name)[0]
+        for (key, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+            assert torch.equal(x, y), (name, key)
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".")]
+
+
+class FullDisk(io.BytesIO):
+    """A file on a full disk: every write fails as the system's write does."""
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_names_the_file_being_written(tmp_path, data_folder, monkeypatch, full_disk):
+    """safetensors reports a full disk as a SafetensorError, torch.save as "enforce fail at
+    inline_container.cc"; the user reads which file and why, and no staging is left behind."""
+    params = tiny_params(data_folder, steps=4, checkpoint_every=2)
+    file = r"checkpoints/\.step_000002\.[\w.]+\.tmp/\.drafter\.[\w.]+\.tmp/model\.safetensors"
+    with pytest.raises(OSError, match=rf"^writing \S+/{file}: No space left on device$"):
+        train.train_arms(params, tmp_path / "a")
+    monkeypatch.undo()
+    monkeypatch.setattr(trainer, "open", lambda file, mode: FullDisk(), raising=False)
+    with pytest.raises(OSError, match=rf"^writing \S+/{STATE_FILE}: No space left on device$"):
+        train.train_arms(params, tmp_path / "b")
+    for out in (tmp_path / "a", tmp_path / "b"):
+        assert list((out / "scratch" / "checkpoints").iterdir()) == []
+
+
+def test_resume_appends_to_no_symlinked_log(tmp_path, data_folder, monkeypatch):
+    params = tiny_params(data_folder, steps=6, checkpoint_every=2)
+    train_interrupted(params, tmp_path / "run", monkeypatch, steps_done=3)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the run's\n")
+    log = tmp_path / "run" / "scratch" / "log.txt"
+    log.unlink()
+    log.symlink_to(outside)
+    with pytest.raises(OSError, match=rf"^{re.escape(str(log))} is a symbolic link; a run appends only"):
+        train.train_arms(params, tmp_path / "run", resume=True)
+    assert outside.read_text() == "not the run's\n"
+
+
+def test_a_dangling_symlink_as_output_is_named(tmp_path, data_folder, capsys):
+    out = tmp_path / "link"
+    out.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(FileExistsError, match=rf"^{re.escape(str(out))} is a symbolic link to "
+                       rf"{re.escape(str(tmp_path / 'nowhere'))}, which does not exist, not a folder"):
+        train.train_arms(tiny_params(data_folder, steps=2), out)
