@@ -1,0 +1,81 @@
+"""Regeneration throughput: the target's replies to ShareGPT first turns through the built-in engine and vLLM.
+
+    .venv/bin/python bench/bench_regenerate.py [--prompts 64] [--max-new-tokens 128] [--batch-sizes 8,32]
+                                               [--dtypes bfloat16,float32] [--engines builtin,vllm]
+
+The same prompts (the first user turns of ShareGPT's training split whose chat prompt fits
+--max-prompt-tokens), greedy, each engine as `eagle3 regenerate` drives it: the built-in engine decodes
+`--batch-sizes` replies together (prompts of similar length); vLLM (its venv, `make vllm-setup`) gets the
+prompts `--batch-sizes` at a time and schedules them itself. Prints reply tokens/s per engine, dtype and
+batch, and the machine; vLLM's start-up (loading, warm-up) is timed apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from eagle3lib import regenerate, sources
+from eagle3lib.conversations import ChatRenderer
+from eagle3lib.devices import machine_description
+from eagle3lib.target import Target
+
+TARGET = "zoo:smollm2-135m-instruct"
+
+
+def requests(renderer: ChatRenderer, count: int, max_prompt_tokens: int) -> list[regenerate.Request]:
+    found = []
+    for conversation in sources.split_conversations("sharegpt", "train", 0.1):
+        messages = [{"role": "user", "content": conversation.user_turns()[0]}]
+        ids = renderer.prompt_ids(messages)
+        if len(ids) <= max_prompt_tokens:
+            found.append(regenerate.Request(messages, ids, seed=0))
+        if len(found) == count:
+            return found
+    raise ValueError(f"ShareGPT has fewer than {count} first turns of at most {max_prompt_tokens} tokens")
+
+
+def timed(engine, batch: list[regenerate.Request], size: int) -> tuple[int, float]:
+    tokens, start = 0, time.perf_counter()
+    for first in range(0, len(batch), size):
+        tokens += sum(reply.tokens for reply in engine.replies(batch[first : first + size]))
+    return tokens, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-prompt-tokens", type=int, default=384)
+    parser.add_argument("--batch-sizes", default="8,32")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--engines", default="builtin,vllm")
+    args = parser.parse_args()
+    print(machine_description())
+    sizes = [int(size) for size in args.batch_sizes.split(",")]
+    for dtype in args.dtypes.split(","):
+        target = Target.load(TARGET, dtype=dtype, device="cpu")
+        renderer = ChatRenderer(target.tokenizer, target.stop_token_ids)
+        batch = requests(renderer, args.prompts, args.max_prompt_tokens)
+        prompt_tokens = sum(len(r.prompt_ids) for r in batch)
+        print(f"{dtype}: {len(batch)} ShareGPT first turns ({prompt_tokens:,} prompt tokens), "
+              f"{args.max_new_tokens} new tokens at most, greedy")
+        for name in args.engines.split(","):
+            for size in sizes:
+                settings = regenerate.RegenerationSettings(engine=name, max_new_tokens=args.max_new_tokens,
+                                                           batch_size=size, dtype=dtype)
+                started = time.perf_counter()
+                with tempfile.TemporaryDirectory() as work, \
+                        regenerate.make_engine(settings, target, renderer, Path(work)) as engine:
+                    ready = time.perf_counter() - started
+                    timed(engine, batch[:size], size)  # warm-up: the first calls allocate
+                    tokens, seconds = timed(engine, batch, size)
+                start_note = f" (start-up {ready:.0f} s, not counted)" if name == "vllm" else ""
+                print(f"  {name:>7} {dtype:>8} batch {size:>3}: {tokens:6,} reply tokens in {seconds:6.1f} s "
+                      f"= {tokens / seconds:6.1f} tok/s{start_note}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
