@@ -427,3 +427,49 @@ def test_a_text_corpus_is_regenerated_as_chat_prompts(tmp_path, capsys):
     )
     manifest = json.loads((tmp_path / "functions.manifest.json").read_text())
     assert manifest["source"]["corpus"] == "stdlib-functions" and manifest["source"]["split"] == "train"
+
+
+def test_online_training_reads_conversations_as_00_does(tmp_path):
+    from eagle3lib import online, runs
+    from eagle3lib.data import load_tensors
+    from eagle3lib.target import Target
+
+    path = conversation_file(tmp_path)
+    params = runs.load_params(
+        None,
+        {
+            "run": {"device": "cpu"},
+            "target": {"spec": "zoo:tiny-llama", "dtype": "float32"},
+            "data": {
+                "corpus": str(path),
+                "text": "conversation",
+                "loss_turns": "last",
+                "num_tokens": 300,
+                "seq_len": 64,
+                "batch_size": 4,
+                "heldout_fraction": 0.2,
+                "draft_vocab_size": 64,
+            },
+            "train": {"data_mode": "online"},
+        },
+    )
+    target = Target.load("zoo:tiny-llama", dtype="float32", device="cpu")
+    manifest = online.ensure_text(params, tmp_path / "04_finetune", target)
+    assert (
+        manifest["provenance"]["conversations"]["skipped"] == {}
+        and manifest["provenance"]["loss_turns"] == "last"
+    )
+    text = load_tensors(tmp_path / "04_finetune" / online.FOLDER / online.TEXT_FILE)
+    renderer = ChatRenderer(target.tokenizer, target.stop_token_ids, loss_turns="last")
+    train_ids = {c.id for c in sources.split_conversations(str(path), "train", 0.2)}
+    rendered = {c.id: renderer.render(c, 64) for c in read_conversations(path) if c.id in train_ids}
+    for ids, mask in zip(
+        text["input_ids"].split(text["sample_lengths"].tolist()),
+        text["loss_mask"].split(text["sample_lengths"].tolist()),
+        strict=True,
+    ):
+        match = [r for r in rendered.values() if r.input_ids == ids.tolist()]
+        assert match and match[0].loss_mask == mask.tolist()  # the same samples 00 would capture
+        assert loss_spans(target.tokenizer, ids.tolist(), mask.tolist()) == [
+            "Yes.<|im_end|>"
+        ]  # the last turn only
