@@ -449,6 +449,10 @@ def _regenerate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens)
     p.add_argument("--dtype", default=defaults.dtype, help="builtin and vllm: auto | float32 | bfloat16")
     p.add_argument("--limit", type=int, help="stop after this many conversations")
+    p.add_argument("--max-seconds", type=float, help="start no chunk after this many seconds; the file is "
+                   "finished with what was written (a time-boxed machine)")
+    p.add_argument("--chunk", type=int, help="conversations regenerated and appended together (default: 4 x "
+                   "--batch-size): what an interruption can lose")
     p.add_argument("--split", choices=["train", "heldout", "all"], default="train",
                    help="which conversations: the training split (default), the held-out one, or all")
     p.add_argument("--heldout-fraction", type=float, default=0.1)
@@ -494,7 +498,8 @@ def _regenerate(args: argparse.Namespace) -> int:
     command_line = "eagle3 regenerate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     with regenerate.make_engine(settings, target, renderer, out.parent) as engine:
         manifest = regenerate.regenerate(conversations, out, engine, renderer, settings, source=source,
-                                         target=target.describe(), limit=args.limit, command=command_line)
+                                         target=target.describe(), limit=args.limit, chunk=args.chunk,
+                                         max_seconds=args.max_seconds, command=command_line)
     counts = manifest["counts"]
     print(f"eagle3 regenerate: {out}: {counts['conversations']:,} conversations, {counts['replies']:,} "
           f"replies, {counts['reply_tokens']:,} reply tokens at {counts['reply_tokens_per_s']:.0f} tok/s; "

@@ -291,6 +291,7 @@ def regenerate(
     enough_tokens: int | None = None,
     seq_len: int = 1 << 30,
     chunk: int | None = None,
+    max_seconds: float | None = None,
     command: str = "",
 ) -> dict:
     """Regenerate `conversations` into the file `out` (see the module docstring); returns the manifest.
@@ -298,9 +299,11 @@ def regenerate(
     `source` describes the input (path, sha256, corpus); `target` the target (name, fingerprint). Stops after
     `limit` conversations, or once the written conversations hold `enough_tokens` tokens in the target's chat
     template, each counted up to `seq_len` (00_prepare_data asks for what its capture needs). `chunk`
-    conversations (default 4 batches) are regenerated together and appended at once. A complete `out` made
-    with the same inputs and settings is returned as it is.
+    conversations (default 4 batches) are regenerated together and appended at once; with `max_seconds`, no
+    chunk starts after that many seconds (the file is finished with what was written: a lent machine's
+    budget). A complete `out` made with the same inputs and settings is returned as it is.
     """
+    deadline = time.perf_counter() + max_seconds if max_seconds else float("inf")
     settings.check()
     out = Path(out)
     if not out.name.endswith((".jsonl", ".jsonl.gz")):
@@ -322,7 +325,7 @@ def regenerate(
     bar = progress(total=limit or enough_tokens, desc=f"regenerate → {out.name}", unit=unit, initial=done)
     atomic_write_text(manifest_file, json.dumps(manifest, indent=2) + "\n")  # before the partial file exists
     with open(partial, "ab") as handle:
-        while not _enough(counts, limit, enough_tokens):
+        while not _enough(counts, limit, enough_tokens) and time.perf_counter() < deadline:
             wanted = chunk if limit is None else min(chunk, limit - counts["conversations"])
             batch = [c for _, c in zip(range(wanted), stream, strict=False)]
             if not batch:

@@ -631,8 +631,13 @@ def decode_target_only(
         last = torch.tensor([[tokens[seq][-1]] for seq in active])
         depth = torch.zeros(len(active), 1, dtype=torch.long)
         logits, _ = batch.verify(last, one.expand(len(active), 1, 1), depth)
+        if temperature == 0:  # one argmax and one device sync for the batch, not one a sequence (a GPU)
+            chosen = logits[:, -1].argmax(-1).tolist()
+        else:
+            chosen = [int(select_tokens(logits[i, -1], temperature, generators[seq]))
+                      for i, seq in enumerate(active)]
         for i, seq in enumerate(active):
-            tokens[seq].append(int(select_tokens(logits[i, -1], temperature, generators[seq])))
+            tokens[seq].append(chosen[i])
         batch.commit(torch.ones(len(active), 1, dtype=torch.bool))
         rounds += 1
     _sync(device)

@@ -138,8 +138,10 @@ def test_limits_prompt_length_and_turns_are_counted(tiny, tmp_path):
     assert [len(r["conversations"]) for r in records] == [3]  # a: system, one answered turn
     counts = manifest["counts"]
     assert counts["skipped"] == {f"first prompt longer than {first_prompts[0]} tokens": 2}
-    assert counts["turns_not_answered"] == {f"prompt longer than {first_prompts[0]} tokens": 2,
-                                            "beyond max_turns": 1}
+    assert counts["turns_not_answered"] == {
+        f"prompt longer than {first_prompts[0]} tokens": 2,
+        "beyond max_turns": 1,
+    }
     with pytest.raises(regen.RegenerationError, match=r"exists and was made otherwise \(limit: None -> 3\)"):
         run(tiny, tmp_path / "out.jsonl", settings=settings, limit=3)
 
@@ -190,3 +192,21 @@ def test_a_server_engine_sends_the_regenerated_history(tiny, tmp_path):
     assert second["messages"][2] == {"role": "assistant", "content": "reply to 2 messages"}
     assert second["model"] == "served-model" and second["max_tokens"] == 8 and second["temperature"] == 0.5
     assert manifest["counts"]["reply_tokens"] == 8
+
+
+def test_a_time_budget_finishes_the_file_with_what_was_written(tiny, tmp_path, monkeypatch):
+    now, replies = [0.0], regen.BuiltinEngine.replies
+
+    def ten_seconds_a_call(self, requests):
+        now[0] += 10
+        return replies(self, requests)
+
+    monkeypatch.setattr(regen.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(regen.BuiltinEngine, "replies", ten_seconds_a_call)
+    manifest = run(tiny, tmp_path / "out.jsonl", chunk=1, max_seconds=25)
+    # a (two turns) ends at 20 s, b starts before 25 s and ends at 30 s, c does not start
+    assert manifest["complete"] and manifest["counts"]["conversations"] == 2
+    assert [json.loads(line)["id"] for line in (tmp_path / "out.jsonl").read_text().splitlines()] == [
+        "a",
+        "b",
+    ]
