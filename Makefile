@@ -40,11 +40,14 @@ source-drafter: setup
 		-o $(SOURCE_DRAFTER)
 
 # Datasets the project regenerated and ships under datasets/ (gzipped JSON lines + manifest): every assistant turn
-# answered by SmolLM2-135M-Instruct itself through vLLM (make vllm-setup; 2 cores: about an hour each). Rerun
-# the same command after an interruption: it continues. To rebuild a shipped one, remove it first.
+# answered by SmolLM2-135M-Instruct itself through vLLM (make vllm-setup; 2 cores: hours for all of ShareGPT, so
+# the shipped one holds the part this CPU answered, SHAREGPT_ARGS="--limit N", and a part a lent GPU answered
+# with `eagle3 regenerate ... --engine builtin --skip N`, see its manifest). Rerun the same command after an
+# interruption: it continues. To rebuild a shipped one, remove it first.
 regenerated-datasets: setup vllm-setup
-	$(VENV)/bin/eagle3 regenerate sharegpt -o datasets/sharegpt-smollm2.jsonl.gz --target zoo:smollm2-135m-instruct \
-		--engine vllm --max-new-tokens 384 --max-turns 2 --max-prompt-tokens 1024 --batch-size 256
+	$(VENV)/bin/eagle3 regenerate sharegpt -o datasets/sharegpt-smollm2/vllm-cpu.jsonl.gz \
+		--target zoo:smollm2-135m-instruct --engine vllm --max-new-tokens 384 --max-turns 2 \
+		--max-prompt-tokens 1024 --batch-size 256 $(SHAREGPT_ARGS)
 	$(VENV)/bin/eagle3 regenerate stdlib-functions -o datasets/stdlib-functions-smollm2.jsonl.gz \
 		--target zoo:smollm2-135m-instruct --engine vllm --max-new-tokens 384 --batch-size 256
 

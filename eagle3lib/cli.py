@@ -449,6 +449,8 @@ def _regenerate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens)
     p.add_argument("--dtype", default=defaults.dtype, help="builtin and vllm: auto | float32 | bfloat16")
     p.add_argument("--limit", type=int, help="stop after this many conversations")
+    p.add_argument("--skip", type=int, default=0, help="leave out the first N conversations (another run "
+                   "answers them: two machines, one dataset)")
     p.add_argument("--max-seconds", type=float, help="start no chunk after this many seconds; the file is "
                    "finished with what was written (a time-boxed machine)")
     p.add_argument("--chunk", type=int, help="conversations regenerated and appended together (default: 4 x "
@@ -462,6 +464,7 @@ def _regenerate_arguments(p: argparse.ArgumentParser) -> None:
          _regenerate_arguments)
 def _regenerate(args: argparse.Namespace) -> int:
     import shlex
+    from itertools import islice
     from pathlib import Path
 
     from eagle3lib import regenerate, sources, zoo
@@ -493,6 +496,9 @@ def _regenerate(args: argparse.Namespace) -> int:
             conversations = read_conversations(path, allow_truncated=truncated_ok)
         else:
             conversations = sources.split_conversations(args.file, args.split, args.heldout_fraction)
+    if args.skip:
+        source["skip"] = args.skip
+        conversations = islice(conversations, args.skip, None)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     command_line = "eagle3 regenerate " + " ".join(shlex.quote(a) for a in sys.argv[2:])

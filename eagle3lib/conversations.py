@@ -86,10 +86,12 @@ class ReadStats:
 
 
 def conversation_files(path: str | Path) -> list[Path]:
-    """A file, or the conversation files of a folder in name order."""
+    """A file, or the conversation files of a folder in name order (regeneration manifests beside them,
+    `*.manifest.json`, are not conversations)."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(SUFFIXES))
+        files = sorted(p for p in path.iterdir()
+                       if p.is_file() and p.name.endswith(SUFFIXES) and not p.name.endswith(".manifest.json"))
         if not files:
             raise ConversationError(f"{path}: no conversation files ({', '.join(SUFFIXES)}) in this folder")
         return files
