@@ -77,7 +77,8 @@ def is_prompt_file(corpus: str) -> bool:
 
 def _lines(path: Path) -> list[str]:
     raw = path.read_bytes()
-    return (gzip.decompress(raw) if path.name.endswith(".gz") else raw).decode("utf-8").splitlines()
+    # split at newlines only: JSON strings may hold U+2028 and other characters splitlines() breaks at
+    return (gzip.decompress(raw) if path.name.endswith(".gz") else raw).decode("utf-8").split("\n")
 
 
 def prompt_file_questions(path: Path) -> list[Question]:

@@ -119,7 +119,7 @@ def records(path: Path, allow_truncated: bool = False, notes: list[str] | None =
     last complete record (the ShareGPT wheel's file) and says so in `notes`; otherwise that is an error."""
     text = _text(path)
     if path.name.removesuffix(".gz").endswith(".jsonl"):
-        for number, line in enumerate(text.splitlines(), 1):
+        for number, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 may sit in a string
             if line.strip():
                 try:
                     yield json.loads(line), f"{path}:{number}"

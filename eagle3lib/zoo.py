@@ -408,5 +408,5 @@ def dataset_path(name: str) -> Path:
 def humaneval_prompts() -> list[tuple[str, str]]:
     """(task_id, user turn) of the 164 HumanEval problems, asked as SpecForge's benchmark asks."""
     path = dataset_path(HUMANEVAL)
-    problems = [json.loads(line) for line in gzip.decompress(path.read_bytes()).decode().splitlines() if line]
+    problems = [json.loads(line) for line in gzip.decompress(path.read_bytes()).decode().split("\n") if line]
     return [(p["task_id"], f"{HUMANEVAL_INSTRUCTION}\n```python\n{p['prompt']}\n```") for p in problems]
