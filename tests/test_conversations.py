@@ -477,7 +477,9 @@ def test_online_training_reads_conversations_as_00_does(tmp_path):
 
 def test_a_line_separator_inside_a_string_is_not_a_new_record(tmp_path):
     # json.dumps(ensure_ascii=False), as regenerated files are written, leaves U+2028 raw in a string
-    record = {"messages": [{"role": "user", "content": "a\u2028b"}, {"role": "assistant", "content": "c\x85d"}]}
+    record = {
+        "messages": [{"role": "user", "content": "a\u2028b"}, {"role": "assistant", "content": "c\x85d"}]
+    }
     path = tmp_path / "raw.jsonl"
     path.write_text(json.dumps(record, ensure_ascii=False) + "\n")
     (found,) = read_conversations(path)
