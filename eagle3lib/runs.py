@@ -401,17 +401,18 @@ GIT_COMMIT_VARIABLE = "EAGLE3LIB_GIT_COMMIT"
 
 
 def git_commit() -> str:
-    """The repository's HEAD, with '+changes' when the work tree differs from it. A copy of the work tree
-    without its .git (a GPU host it was copied to) reports what $EAGLE3LIB_GIT_COMMIT says it is, with
-    '(stated)'; else 'unknown'."""
+    """The repository's HEAD, with '+changes' when the work tree differs from it; 'unknown' without git.
+    A copy of the work tree on another machine (a lent GPU host) says what $EAGLE3LIB_GIT_COMMIT states,
+    with '(stated)': its own .git, if it has one, need not be the copy's (one such copy held a stale one)."""
+    stated = os.environ.get(GIT_COMMIT_VARIABLE)
+    if stated:
+        return f"{stated} (stated)"
+
     def git(*args: str) -> str:
         done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
         return done.stdout.strip() if done.returncode == 0 else ""
 
-    head = git("rev-parse", "HEAD")
-    if not head:
-        stated = os.environ.get(GIT_COMMIT_VARIABLE)
-        return f"{stated} (stated)" if stated else "unknown"
+    head = git("rev-parse", "HEAD") or "unknown"
     return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
