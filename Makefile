@@ -49,7 +49,7 @@ regenerated-datasets: setup vllm-setup
 		--target zoo:smollm2-135m-instruct --engine vllm --max-new-tokens 384 --max-turns 2 \
 		--max-prompt-tokens 1024 --batch-size 256 $(SHAREGPT_ARGS)
 	$(VENV)/bin/eagle3 regenerate stdlib-functions -o datasets/stdlib-functions-smollm2.jsonl.gz \
-		--target zoo:smollm2-135m-instruct --engine vllm --max-new-tokens 384 --batch-size 256
+		--target zoo:smollm2-135m-instruct --engine vllm --max-new-tokens 256 --batch-size 256
 
 # The chat source drafter (params/chat-drafter.yaml): trained from scratch on datasets/sharegpt-smollm2.jsonl.gz
 # (online: the target in the loop), its learning curve, notebook 05 on the float32 drafter and its bf16 copy,
