@@ -30,9 +30,10 @@ from eagle3lib.data import (
     load_token_counts,
     prepared_dir,
 )
+from eagle3lib.files import save_safetensors, shareable_tree, staging_path
 from eagle3lib.progress import progress as progress_bar
 from eagle3lib.regenerate import make_engine, regenerate, settings_from_data, source_description
-from eagle3lib.runs import check_positive, save_safetensors, shareable_tree, staging_path
+from eagle3lib.runs import check_positive
 from eagle3lib.sources import (
     Sample,
     check_text_kind,

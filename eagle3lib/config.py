@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.runs import atomic_write_text
+from eagle3lib.files import atomic_write_text
 
 SGLANG_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 SPECULATORS_ARCHITECTURES = ("Eagle3DraftModel", "Eagle3Speculator")

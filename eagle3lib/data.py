@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import Tensor
 
-from eagle3lib.runs import resolve_path
+from eagle3lib.files import load_weights_only, read_safetensors, read_safetensors_header, resolve_path
 from eagle3lib.vocab import VocabMap
 
 FORMAT = "eagle3lib-hidden-states"
@@ -61,25 +60,6 @@ class DataError(ValueError):
 # ---------------------------------------------------------------- reading
 
 
-def _read_header(file: Path) -> dict[str, tuple[list[int], str]]:
-    """{key: (shape, dtype)} of a safetensors file, or a DataError naming the file."""
-    try:
-        with safe_open(str(file), framework="pt") as handle:
-            return {
-                k: (handle.get_slice(k).get_shape(), handle.get_slice(k).get_dtype()) for k in handle.keys()
-            }
-    except Exception as err:  # safetensors raises its own error types for truncated or corrupt files
-        raise DataError(f"{file}: not a readable safetensors file (truncated or corrupt?): {err}") from err
-
-
-def load_tensors(file: Path, keys: Iterable[str] | None = None) -> dict[str, Tensor]:
-    try:
-        with safe_open(str(file), framework="pt") as handle:
-            return {k: handle.get_tensor(k) for k in (keys or handle.keys())}
-    except Exception as err:
-        raise DataError(f"{file}: cannot read its tensors (truncated or corrupt?): {err}") from err
-
-
 _ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
@@ -89,13 +69,12 @@ def load_target_head(path: str | os.PathLike) -> tuple[dict[str, Tensor], float 
     file = file / "target_head.safetensors" if file.is_dir() else file
     if not file.is_file():
         raise DataError(f"{file}: no target head file")
-    header = _read_header(file)
-    missing = [k for k in HEAD_KEYS if k not in header]
+    header = read_safetensors_header(file, DataError)
+    missing = [k for k in HEAD_KEYS if k not in header.tensors]
     if missing:
         raise DataError(f"{file}: lacks {', '.join(missing)}")
-    with safe_open(str(file), framework="pt") as handle:
-        eps = (handle.metadata() or {}).get("rms_norm_eps")
-    return load_tensors(file, HEAD_KEYS), None if eps is None else float(eps)
+    eps = header.metadata.get("rms_norm_eps")
+    return read_safetensors(file, HEAD_KEYS, DataError), None if eps is None else float(eps)
 
 
 class DataReader:
@@ -214,7 +193,7 @@ class DataReader:
         """Input-token counts under the loss mask, [Vt] int64 (for VocabMap.from_counts)."""
         if self.format == "eagle3lib":
             file = self.path / "token_counts.safetensors"
-            counts = load_tensors(file, ["counts"])["counts"]
+            counts = read_safetensors(file, ["counts"], DataError)["counts"]
             if counts.shape != (self.vocab_size,):
                 raise DataError(
                     f"{file}: counts has shape {list(counts.shape)}, expected [{self.vocab_size}]"
@@ -282,9 +261,9 @@ class DataReader:
                 },
             ),
         ):
-            header = _read_header(self.path / name) if (self.path / name).is_file() else None
-            if header is None:
+            if not (self.path / name).is_file():
                 raise DataError(f"{self.path / name}: missing from the data folder")
+            header = read_safetensors_header(self.path / name, DataError).tensors
             for key, shape in shapes.items():
                 if key not in header or header[key][0] != shape:
                     found = header[key][0] if key in header else "nothing"
@@ -293,7 +272,7 @@ class DataReader:
 
     @staticmethod
     def _check_shard(shard: Path, entry: dict, hidden: int, width: int, dtype: str) -> None:
-        header = _read_header(shard)
+        header = read_safetensors_header(shard, DataError).tensors
         missing = [k for k in SHARD_KEYS if k not in header]
         if missing:
             raise DataError(f"{shard}: lacks {', '.join(missing)}")
@@ -312,12 +291,12 @@ class DataReader:
         for key in ("aux_hidden_states", "last_hidden_state"):
             if _ST_DTYPES.get(header[key][1]) != dtype:
                 raise DataError(f"{shard}: {key} is {header[key][1]}, the manifest says {dtype}")
-        lengths = load_tensors(shard, ["sample_lengths"])["sample_lengths"]
+        lengths = read_safetensors(shard, ["sample_lengths"], DataError)["sample_lengths"]
         if int(lengths.sum()) != n or bool((lengths < 1).any()):
             raise DataError(f"{shard}: sample_lengths add up to {int(lengths.sum())}, not its {n} tokens")
 
     def _shard_samples(self, entry: dict, order: list[int]) -> Iterator[dict[str, Tensor]]:
-        tensors = load_tensors(self.path / entry["file"])
+        tensors = read_safetensors(self.path / entry["file"], error=DataError)
         lengths = tensors.pop("sample_lengths")
         starts = torch.cumsum(lengths, 0) - lengths
         for i in order:
@@ -362,12 +341,7 @@ class DataReader:
         """One dump file as a sample with our keys (target_argmax not yet added); shapes checked, and
         hidden widths against the first file's."""
         if self.format == "specforge":
-            try:
-                raw = torch.load(file, map_location="cpu", weights_only=True)
-            except Exception as err:
-                raise DataError(
-                    f"{file}: cannot be read by torch.load (truncated or corrupt?): {err}"
-                ) from err
+            raw = load_weights_only(file, DataError)
             need = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
             if not isinstance(raw, dict) or any(k not in raw for k in need):
                 found = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
@@ -379,7 +353,7 @@ class DataReader:
                 "aux_hidden_states": _squeeze_batch(raw["aux_hidden_state"], file, "aux_hidden_state"),
             }
         else:
-            raw = load_tensors(file)
+            raw = read_safetensors(file, error=DataError)
             if "hidden_states" not in raw or "token_ids" not in raw:
                 raise DataError(
                     f"{file}: a speculators sample needs hidden_states and token_ids, found {sorted(raw)}"
@@ -605,5 +579,6 @@ def training_data(train: dict, run_dir: str | os.PathLike | None):
 
 def load_token_counts(folder: str | os.PathLike) -> tuple[Tensor, Tensor]:
     """(input-token counts, target-argmax counts) under the loss mask, each [Vt], of a data folder."""
-    tables = load_tensors(Path(folder) / "token_counts.safetensors", ["counts", "argmax_counts"])
+    file = Path(folder) / "token_counts.safetensors"
+    tables = read_safetensors(file, ["counts", "argmax_counts"], DataError)
     return tables["counts"], tables["argmax_counts"]

@@ -128,7 +128,8 @@ def target_replies(target, max_new_tokens: int, batch_size: int):
 def drafter_entries(entries: list, key: str = "evaluate.drafters") -> dict[str, Path]:
     """`[{name, path}, ...]` from params → {name: checkpoint folder}, refusing unnamed, duplicate or
     path-less entries by their place in the list."""
-    from eagle3lib.runs import ParamsError, resolve_path
+    from eagle3lib.files import resolve_path
+    from eagle3lib.runs import ParamsError
 
     if not entries:
         raise ParamsError(f"{key} is empty: name at least one drafter")
@@ -166,7 +167,7 @@ def probe(
     (`eagle3lib.speculate`, `batch_size` prompts at a time, with the target-only baseline, decoded here
     unless an earlier result's `baseline` is given; `reuse`: a `speculate.PrefillCache` shared between
     probes of the same prompts), vllm or sglang."""
-    from eagle3lib.runs import resolve_path
+    from eagle3lib.files import resolve_path
 
     check_backend(backend)
     if not drafter:

@@ -25,14 +25,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from eagle3lib import runs
+from eagle3lib import files
 from eagle3lib.capture import REGENERATED_DIR, capture_pools, parse_dtype, training_text
 from eagle3lib.data import (
     VOCAB_MAP_FILE,
     DataError,
     TrainingData,
     collate,
-    load_tensors,
     reading_order,
     shard_sizes,
     window,
@@ -73,11 +72,11 @@ def make_text(target: Target, data: dict, seed: int, folder: Path) -> Path:
         "num_tokens": len(input_ids),
         "num_loss_tokens": int(loss_mask.sum()),
     }
-    with runs.staged_folder(folder) as staging:
-        runs.save_safetensors({"input_ids": input_ids, "loss_mask": loss_mask,
+    with files.staged_folder(folder) as staging:
+        files.save_safetensors({"input_ids": input_ids, "loss_mask": loss_mask,
                                "sample_lengths": torch.tensor([len(s.input_ids) for s in kept])},
                               staging / TEXT_FILE)
-        runs.save_safetensors({"counts": counts}, staging / "token_counts.safetensors")
+        files.save_safetensors({"counts": counts}, staging / "token_counts.safetensors")
         VocabMap.from_counts(counts, data["draft_vocab_size"], target.vocab_size, str(folder)).save(
             staging / VOCAB_MAP_FILE)
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -109,7 +108,7 @@ class OnlineReader:
                  manifest: dict):
         self.path, self.target, self.aux_layer_ids, self.dtype = folder, target, aux_layer_ids, dtype
         self.manifest = {**manifest, "aux_layer_ids": aux_layer_ids}
-        text = load_tensors(folder / TEXT_FILE)
+        text = files.read_safetensors(folder / TEXT_FILE, error=DataError)
         self.lengths = text["sample_lengths"].tolist()
         self.texts = list(zip(text["input_ids"].split(self.lengths), text["loss_mask"].split(self.lengths),
                               strict=True))
@@ -192,7 +191,7 @@ def online_training_data(params: dict, out: Path, device: torch.device, main: bo
     folder = Path(out) / FOLDER
     manifest = manifest or check_text(folder, target, params["data"], params["run"]["seed"])
     train = params["train"]
-    map_path = runs.resolve_path(train["vocab_map"]) if train["vocab_map"] else folder / VOCAB_MAP_FILE
+    map_path = files.resolve_path(train["vocab_map"]) if train["vocab_map"] else folder / VOCAB_MAP_FILE
     if not os.path.exists(map_path):
         raise DataError(f"{map_path}: no vocab map (train.vocab_map)")
     aux_layer_ids = target.check_aux_layer_ids(params["target"]["aux_layer_ids"] or None)

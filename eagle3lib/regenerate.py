@@ -32,8 +32,9 @@ from pathlib import Path
 
 from eagle3lib.conversations import ChatRenderer, Conversation, ConversationError
 from eagle3lib.data import DataError
+from eagle3lib.files import atomic_write_text, file_sha256
 from eagle3lib.progress import progress
-from eagle3lib.runs import atomic_write_text, git_commit
+from eagle3lib.runs import git_commit
 
 FORMAT = "eagle3lib-regenerated"
 ENGINES = ("builtin", "vllm", "server")
@@ -238,14 +239,6 @@ class TargetFacts:
 
 
 # ---------------------------------------------------------------- the file
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def manifest_path(out: Path) -> Path:

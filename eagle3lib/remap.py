@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from eagle3lib.files import describe_occupant, resolve_path
 from eagle3lib.model import Eagle3Drafter
-from eagle3lib.runs import ParamsError, describe_occupant, resolve_path
+from eagle3lib.runs import ParamsError
 from eagle3lib.vocab import VocabMap
 
 MISSING_POLICIES = ("verifier", "mean", "zeros", "random")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 
-from eagle3lib import runs
+from eagle3lib import files, runs
 from eagle3lib.evaluate import summary_lines, tau_text
 
 
@@ -107,7 +107,7 @@ def write_summary(run_dir: Path) -> Path:
     lines += ["## Parameters", "", "```yaml", params.rstrip(), "```", ""]
     lines += ["## Made with", "", *made_with(metrics), ""]
     path = run_dir / "summary.md"
-    runs.atomic_write_text(path, "\n".join(lines))
+    files.atomic_write_text(path, "\n".join(lines))
     return path
 
 
@@ -153,7 +153,7 @@ def render_index(run_dir: Path) -> Path:
         raise FileNotFoundError(f"{summary} is missing: the front page is rendered from it (write_summary)")
     body = mistune.create_markdown(plugins=["table"])(summary.read_text())
     path = run_dir / "index.html"
-    runs.atomic_write_text(path, PAGE.format(title=html.escape(f"eagle3lib run {run_dir.name}"), body=body))
+    files.atomic_write_text(path, PAGE.format(title=html.escape(f"eagle3lib run {run_dir.name}"), body=body))
     return path
 
 
@@ -371,7 +371,7 @@ def screenshots(run_dir: Path, chromium: str = "chromium") -> list[Screenshot]:
             if is_blank(fresh):
                 raise RuntimeError(f"{page} rendered as a blank page in {chromium}")
             figure = first_figure_px(page, chromium, Path(work))
-            os.replace(runs.shareable(fresh), png)
+            os.replace(files.shareable(fresh), png)
         shots.append(Screenshot(page, png, figure))
     return shots
 
@@ -386,6 +386,6 @@ def render_html(run_dir: Path) -> list[Path]:
     for notebook in sorted(run_dir.glob("[0-9][0-9]_*.ipynb")):
         body, _ = exporter.from_notebook_node(nbformat.read(notebook, as_version=4))
         target = run_dir / "html" / f"{notebook.stem}.html"
-        runs.atomic_write_text(target, body)
+        files.atomic_write_text(target, body)
         written.append(target)
     return written

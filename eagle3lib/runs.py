@@ -9,17 +9,13 @@ itself only warns about unknown parameters).
 from __future__ import annotations
 
 import copy
-import errno
 import fcntl
-import glob
 import json
 import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,9 +23,9 @@ from typing import Any
 
 import yaml
 
+from eagle3lib.files import REPO_ROOT, atomic_write_text, make_folder, resolve_path
 from eagle3lib.progress import HEADLESS
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 OUTPUTS_DIR = REPO_ROOT / "outputs"
 
@@ -266,14 +262,6 @@ def parse_override(text: str) -> dict:
     return nested
 
 
-def resolve_path(path: str | os.PathLike | None) -> Path | None:
-    """Relative paths in params are relative to the repository root, wherever the kernel runs."""
-    if path is None:
-        return None
-    p = Path(os.path.expanduser(str(path)))
-    return p if p.is_absolute() else REPO_ROOT / p
-
-
 def load_params(
     params_file: str | os.PathLike | None = None,
     overrides: dict | list[str] | None = None,
@@ -446,195 +434,6 @@ def record_provenance(run: Run, notebooks: list[str]) -> list[dict]:
         records.append({"notebooks": list(notebooks), **facts})
     run.write_metrics("provenance", records)
     return records
-
-
-def shareable(path: str | os.PathLike) -> Path:
-    """Give a file or folder made by mkstemp/mkdtemp (private: 0600/0700) the permissions a plain open() or
-    mkdir() would have under this process's umask, so that reports and checkpoints can be shared."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~umask)
-    return Path(path)
-
-
-def shareable_tree(folder: str | os.PathLike) -> Path:
-    """`shareable` for a folder and everything under it, before it is renamed into place: safetensors (0.8)
-    writes each file privately (0600), as mkstemp does, and a checkpoint or data folder is meant to be read by
-    others."""
-    for parent, folders, files in os.walk(folder):
-        for name in folders + files:
-            if not os.path.islink(os.path.join(parent, name)):  # a link's target is not ours to change
-                shareable(os.path.join(parent, name))
-    return shareable(folder)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0 only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
-
-
-def clear_stale_staging(path: Path) -> None:
-    """Remove what killed saves of `path` left beside it: staging of processes that no longer run on this
-    machine. Leftovers whose writer cannot be told (named without a process id, by an older eagle3lib) are
-    kept and named in a warning."""
-    # `.NAME.PID.RANDOM.tmp` (`.old`: a replaced folder on its way out); older saves wrote `.NAME.RANDOM.tmp`
-    staging = re.compile(rf"\.{re.escape(path.name)}\.(?:(?P<pid>[0-9]+)\.)?[^.]+\.(?:tmp|old)")
-    unknown = []
-    for leftover in path.parent.glob(f".{glob.escape(path.name)}.*"):
-        match = staging.fullmatch(leftover.name)
-        if not match:
-            continue
-        if match["pid"] is None:
-            unknown.append(leftover)
-        elif not _running(int(match["pid"])):
-            if leftover.is_dir() and not leftover.is_symlink():
-                shutil.rmtree(leftover, ignore_errors=True)
-            else:
-                leftover.unlink(missing_ok=True)
-    if unknown:
-        warnings.warn(
-            f"{path.parent}: {', '.join(sorted(p.name for p in unknown))} left by an interrupted save of "
-            f"{path.name}; remove them once no other process is writing {path}", stacklevel=3,
-        )
-
-
-def staging_path(path: Path, folder: bool, suffix: str = ".tmp") -> Path:
-    """A new empty folder (or file) beside `path` to fill and then rename onto it, named after this process,
-    with the umask's permissions; stale staging from killed saves is cleared first."""
-    make_folder(path.parent)
-    clear_stale_staging(path)
-    prefix = f".{path.name}.{os.getpid()}."
-    if folder:
-        return shareable(tempfile.mkdtemp(dir=path.parent, prefix=prefix, suffix=suffix))
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=suffix)
-    os.close(fd)
-    return shareable(tmp)
-
-
-def describe_occupant(path: Path) -> str:
-    """Why `path` is taken, for a refusal: a dangling symbolic link is taken too (a rename onto it fails)."""
-    if path.is_symlink() and not path.exists():
-        return f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
-    return f"{path} exists"
-
-
-def make_folder(path: Path) -> Path:
-    """`path` as a folder, made with its parents where missing; one of them that is a file or a dangling
-    symbolic link is named."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError) as err:
-        blocker = next((p for p in (path, *path.parents) if os.path.lexists(p) and not p.is_dir()), path)
-        raise FileExistsError(f"{describe_occupant(blocker)}, not a folder: cannot write {path}") from err
-    return path
-
-
-@contextmanager
-def staged_folder(path: Path, replace: bool = False) -> Iterator[Path]:
-    """A temporary folder beside `path` to fill: renamed to `path` when the block ends without an error (with
-    the umask's permissions for all it holds), removed otherwise, so `path` never holds a half-written
-    folder. An existing `path` is refused, or with `replace` moved aside first, so that the rename itself
-    stays atomic."""
-    staging = staging_path(path, folder=True)
-    try:
-        yield staging
-        shareable_tree(staging)
-        if not os.path.lexists(path):
-            os.replace(staging, path)
-        elif replace:
-            old = staging_path(path, folder=True, suffix=".old")
-            os.replace(path, old / path.name)
-            os.replace(staging, path)
-            shutil.rmtree(old)
-        else:
-            raise FileExistsError(f"{describe_occupant(path)}; refusing to replace it")
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-class WriteError(OSError):
-    """A file that could not be written; the message names it and the system's reason."""
-
-
-def write_failure(path: str | os.PathLike, err: BaseException) -> WriteError:
-    """`err`, raised while writing `path`, as "writing PATH: REASON" (e.g. No space left on device). The
-    reason is the OSError behind it: its own, the one a failed write left as its context (torch.save into a
-    file object), or the "os error N" in a safetensors message."""
-    cause: BaseException | None = err
-    while cause is not None and not (isinstance(cause, OSError) and cause.errno):
-        cause = cause.__cause__ or cause.__context__
-    code = cause.errno if cause is not None else None
-    if code is None and (found := re.search(r"os error ([0-9]+)", str(err))):
-        code = int(found[1])
-    failure = WriteError(f"writing {path}: {os.strerror(code) if code else err}")
-    failure.errno = code
-    return failure
-
-
-def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
-    """safetensors' `save_file`, with a failure named by `write_failure`."""
-    from safetensors.torch import save_file
-
-    try:
-        save_file(tensors, str(path), metadata=metadata)
-    except Exception as err:  # safetensors raises its own error type for I/O errors
-        raise write_failure(path, err) from err
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temporary file beside `path`, then rename: readers never see half a file."""
-    tmp = staging_path(path, folder=False)
-    try:
-        try:
-            with open(tmp, "w") as handle:
-                handle.write(text)
-        except OSError as err:
-            raise write_failure(path, err) from err
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def append_line(path: Path, line: str) -> None:
-    """Append `line` and a newline to `path` in one write, so that readers see whole lines; a write the disk
-    cuts short is taken back. A symbolic link is refused: a run appends to its own files only."""
-    data = (line + "\n").encode()
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise WriteError(f"{path} is a symbolic link; a run appends only to files of its own") from err
-        raise write_failure(path, err) from err
-    try:
-        size = os.fstat(fd).st_size
-        try:
-            while data:
-                data = data[os.write(fd, data) :]
-        except OSError as err:
-            os.ftruncate(fd, size)
-            raise write_failure(path, err) from err
-    finally:
-        os.close(fd)
-
-
-def json_line(line: str, path: Path, number: int) -> Any:
-    """Line `number` of the JSON-lines file `path`, parsed; a line that does not parse is refused by name."""
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}, line {number}: not valid JSON ({err})") from err
-
-
-def read_json_lines(path: Path) -> list:
-    """Every entry of a JSON-lines file (such as an arm's metrics.jsonl)."""
-    return [json_line(line, path, number) for number, line in enumerate(path.read_text().splitlines(), 1)]
 
 
 # ---------------------------------------------------------------- papermill driver

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from eagle3lib import runs
+from eagle3lib import files, runs
 from eagle3lib.checkpoint import load_drafter, save_drafter
 from eagle3lib.config import LAYOUT_READERS, DrafterConfig, read_config
 from eagle3lib.data import TrainingData, training_data
@@ -145,7 +145,7 @@ def scratch_config(train: dict, data: TrainingData) -> DrafterConfig:
     sizes = dict(train["scratch"])
     missing = [key for key, value in sizes.items() if value is None]
     if missing and train["drafter"]:
-        source = read_config(runs.resolve_path(train["drafter"]))[0]
+        source = read_config(files.resolve_path(train["drafter"]))[0]
         sizes.update({key: getattr(source, key) for key in missing})
     elif missing:
         raise TrainingError(
@@ -185,7 +185,7 @@ def init_drafter(arm: str, train: dict, data: TrainingData, seed: int) -> tuple[
                 "arm 'drafter-no-remap' keeps the checkpoint's lm_head rows under a different vocab map: the "
                 "scrambled-labels bug. It exists only to reproduce that bug; set train.allow_no_remap=true"
             )
-        path = runs.resolve_path(train["drafter"])
+        path = files.resolve_path(train["drafter"])
         drafter, load_report = load_drafter(path, strict=True, dtype=torch.float32)
         _check_drafter_fits(drafter, str(path), data)
         old_map = drafter_map(drafter, str(path))
@@ -286,7 +286,7 @@ class ArmResult:
     @property
     def metrics(self) -> list[dict]:
         path = Path(self.folder) / "metrics.jsonl"
-        return runs.read_json_lines(path) if path.exists() else []
+        return files.read_json_lines(path) if path.exists() else []
 
     def key_numbers(self) -> dict:
         """What the run summary and report tables show for this arm."""
@@ -338,7 +338,7 @@ def train_arm(arm: str, params: dict, out: Path, data: TrainingData, procs: Proc
     if folder.exists() and any(folder.iterdir()) and not resume:
         raise runs.RunExistsError(f"{folder} already holds a run; pass --resume to continue it")
     procs.barrier()  # every rank has looked before rank 0 writes
-    runs.make_folder(folder)
+    files.make_folder(folder)
     log = _logger(folder / "log.txt", procs)
     start = time.perf_counter()
 
@@ -368,14 +368,14 @@ def train_arm(arm: str, params: dict, out: Path, data: TrainingData, procs: Proc
     log(f"[{arm}] initialisation:\n{init_report}", echo=False)
     log(f"[{arm}] {init_report.splitlines()[0]} (the whole report: {folder / 'load_report.txt'})")
     if procs.main:
-        runs.atomic_write_text(folder / "load_report.txt", init_report + "\n")
+        files.atomic_write_text(folder / "load_report.txt", init_report + "\n")
     trainer = Trainer(drafter, data, train, seed, folder, procs, log=log)
     check_batches = trainer.check_batches()
     metrics, baseline = trainer.evaluate(check_batches)
     check = diagnose(metrics, baseline, data.vocab_map.vd, warm_start=arm != "scratch")
     log(f"[{arm}] {check.message}")
     if procs.main:
-        runs.atomic_write_text(folder / "check.json", json.dumps(asdict(check), indent=2) + "\n")
+        files.atomic_write_text(folder / "check.json", json.dumps(asdict(check), indent=2) + "\n")
     if not check.passed:
         if arm == "drafter-no-remap":
             log(f"[{arm}] trained anyway: this arm reproduces the bug on purpose (train.allow_no_remap)")
@@ -403,7 +403,7 @@ def train_arm(arm: str, params: dict, out: Path, data: TrainingData, procs: Proc
     log(f"[{arm}] done: loss {final_check.loss_0:.3f}, acc_0 {final_check.acc_0:.2%}, predicted tau "
         f"{final_metrics['tau']:.2f} on the check batches; drafter saved at {drafter_path}")
     if procs.main:
-        runs.atomic_write_text(folder / "summary.json", json.dumps(asdict(result), indent=2) + "\n")
+        files.atomic_write_text(folder / "summary.json", json.dumps(asdict(result), indent=2) + "\n")
     procs.barrier()
     return result
 
@@ -413,7 +413,7 @@ def _logger(path: Path, procs: Processes):
         if procs.main:
             if echo:
                 print(message, flush=True)
-            runs.append_line(path, message)
+            files.append_line(path, message)
 
     return log
 
@@ -499,7 +499,7 @@ def train_stand_in(params: dict, run_dir: Path, target_fingerprint: str, cache: 
         result = train_arms(stand_in, Path(work) / "train", run_dir)["scratch"]
         staged = Path(work) / "drafter"
         shutil.copytree(result.drafter, staged)
-        runs.atomic_write_text(staged / "stand_in.json", json.dumps(
+        files.atomic_write_text(staged / "stand_in.json", json.dumps(
             {"key_numbers": result.key_numbers(), "steps": result.steps, "seconds": result.seconds,
              "source_corpus": params["data"]["source_corpus"]}, indent=2) + "\n")
         os.replace(staged, cached)  # the cache never holds a half-written drafter
@@ -508,9 +508,9 @@ def train_stand_in(params: dict, run_dir: Path, target_fingerprint: str, cache: 
 
 def launch(params: dict, out: Path, run_dir: Path | None = None, resume: bool = False) -> None:
     """Run `torchrun --nproc_per_node N -m eagle3lib.train` on these params, echoing its log as it goes."""
-    runs.make_folder(out)
+    files.make_folder(out)
     params_file = out / "train_params.yaml"
-    runs.atomic_write_text(params_file, yaml.safe_dump(params, sort_keys=False))
+    files.atomic_write_text(params_file, yaml.safe_dump(params, sort_keys=False))
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={params['train']['nproc']}",
@@ -523,7 +523,7 @@ def launch(params: dict, out: Path, run_dir: Path | None = None, resume: bool = 
     log_path = out / "torchrun.log"
     print("launching:", " ".join(command), flush=True)
     with log_path.open("w") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=runs.REPO_ROOT)
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=files.REPO_ROOT)
         with log_path.open() as follow:
             while process.poll() is None:
                 _echo(follow)
@@ -549,8 +549,8 @@ def recipe_for_training(
     """(params with '@' paths resolved, the arms' output folder, the run folder) for a training command:
     output by default `outputs/<run.name>/04_finetune`, run folder by default the output's parent."""
     params = runs.load_params(params_file, overrides)
-    out = runs.resolve_path(out or Path(runs.OUTPUTS_DIR, params["run"]["name"], "04_finetune"))
-    run_dir = runs.resolve_path(run_dir) if run_dir else out.parent
+    out = files.resolve_path(out or Path(runs.OUTPUTS_DIR, params["run"]["name"], "04_finetune"))
+    run_dir = files.resolve_path(run_dir) if run_dir else out.parent
     return runs.resolve_run_paths(params, run_dir), out, run_dir
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3lib import runs
+from eagle3lib import files, runs
 from eagle3lib.checkpoint import load_drafter
 from eagle3lib.remap import notebook_inputs
 from eagle3lib.vocab import VocabMap
@@ -35,7 +35,7 @@ def test_inputs_default_to_the_runs_earlier_steps(tmp_path):
     VocabMap.load(FIXTURES / "vocab" / "new_map.safetensors").save(prepared / "vocab_map.safetensors")
     found = notebook_inputs(params, tmp_path, ("map_a", "map_b"))
     assert found["map_b"] == prepared / "vocab_map.safetensors"
-    assert found["map_a"] == runs.resolve_path(params["remap"]["source_drafter"])  # map_a "" = the drafter's
+    assert found["map_a"] == files.resolve_path(params["remap"]["source_drafter"])  # map_a "" = the drafter's
     params["remap"]["source_drafter"] = ""
     with pytest.raises(runs.ParamsError, match="set remap.source_drafter"):
         notebook_inputs(params, tmp_path, ("source_drafter",))

@@ -15,7 +15,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from eagle3lib import capture, cli, runs
+from eagle3lib import capture, cli, files, runs
 from eagle3lib.data import DataError
 from tests.notebook_harness import run_notebook
 
@@ -60,7 +60,7 @@ def test_overrides_apply_on_top_of_the_file(tmp_path):
 
 
 def test_every_committed_recipe_is_valid():
-    recipes = sorted(runs.REPO_ROOT.glob("params/*.yaml"))
+    recipes = sorted(files.REPO_ROOT.glob("params/*.yaml"))
     assert recipes, "params/ holds no recipe"
     for recipe in recipes:
         runs.load_params(recipe)
@@ -142,8 +142,8 @@ def test_written_files_and_folders_follow_the_umask(tmp_path):
     """Reports and checkpoints are shared: not the private modes mkstemp/mkdtemp give (0600/0700)."""
     old = os.umask(0o022)
     try:
-        runs.atomic_write_text(tmp_path / "summary.md", "text")
-        with runs.staged_folder(tmp_path / "drafter") as staging:
+        files.atomic_write_text(tmp_path / "summary.md", "text")
+        with files.staged_folder(tmp_path / "drafter") as staging:
             (staging / "config.json").write_text("{}")
             save_file({"weight": torch.zeros(2)}, staging / "model.safetensors")  # safetensors writes 0600
     finally:
@@ -274,16 +274,16 @@ def test_a_save_clears_the_staging_killed_saves_left(tmp_path):
     older.mkdir()
     named = f"{tmp_path}: .drafter.abcd1234.tmp left by an interrupted save of drafter; remove them once no"
     with pytest.warns(UserWarning, match=re.escape(named)):
-        with runs.staged_folder(tmp_path / "drafter") as staging:
+        with files.staged_folder(tmp_path / "drafter") as staging:
             (staging / "config.json").write_text("{}")
-    runs.atomic_write_text(tmp_path / "summary.md", "text")
+    files.atomic_write_text(tmp_path / "summary.md", "text")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([older.name, running.name, "drafter",
                                                                  "summary.md"])
 
 
 def test_append_line_writes_a_whole_line_or_none(tmp_path, monkeypatch):
     path = tmp_path / "metrics.jsonl"
-    runs.append_line(path, '{"step": 1}')
+    files.append_line(path, '{"step": 1}')
     calls = []
 
     def disk_full(fd, data):  # the disk fills up after five bytes of the line
@@ -295,7 +295,7 @@ def test_append_line_writes_a_whole_line_or_none(tmp_path, monkeypatch):
     real_write = os.write
     monkeypatch.setattr(os, "write", disk_full)
     with pytest.raises(OSError, match=rf"^writing {re.escape(str(path))}: No space left on device$"):
-        runs.append_line(path, '{"step": 2, "loss": 1.5}')
+        files.append_line(path, '{"step": 2, "loss": 1.5}')
     monkeypatch.undo()
     assert calls[0] == b'{"step": 2, "loss": 1.5}\n'  # one write for the whole line
     assert path.read_text() == '{"step": 1}\n'
