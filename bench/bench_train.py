@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from eagle3lib import runs, train
+from eagle3lib import train
 from eagle3lib.data import TrainingData
 from eagle3lib.loss import Targets, drafter_rows, ttt_sums
+from eagle3lib.params import load_params
 from eagle3lib.trainer import Processes, Trainer
 from eagle3lib.vocab import VocabMap
 
@@ -102,7 +103,7 @@ def main() -> None:
     vocab_map = VocabMap.from_counts(counts, VD, VT)
     data = TrainingData(RandomBatches(vocab_map, head["lm_head.weight"]), vocab_map, head, HIDDEN, VT,
                               [1, 14, 26], "random SmolLM2-sized data")
-    params = runs.load_params(None, {
+    params = load_params(None, {
         "run": {"device": args.device},
         "train": {"steps": 2 * args.steps, "log_every": args.steps, "batch_size": args.batch_size,
                   "micro_batch_size": args.batch_size, "seq_len": args.seq_len, "ttt_steps": args.ttt_steps,

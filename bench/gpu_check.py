@@ -39,9 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from eagle3lib import model, runs, train
+from eagle3lib import model, train
 from eagle3lib.config import default_aux_layer_ids
 from eagle3lib.data import TrainingData
+from eagle3lib.params import load_params
 from eagle3lib.trainer import Processes, Trainer
 from eagle3lib.vocab import VocabMap
 
@@ -125,7 +126,7 @@ def build_on_device(shape: argparse.Namespace, device: torch.device, seed: int =
     sizes = {"num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
              "head_dim": shape.head_dim, "intermediate_size": shape.intermediate, "rms_norm_eps": 1e-6,
              "rope_theta": 1e6, "max_position_embeddings": 262_144}
-    t = runs.load_params(None, {"run": {"device": device.type}, "train": {
+    t = load_params(None, {"run": {"device": device.type}, "train": {
         "seq_len": T, "ttt_steps": shape.ttt_steps, "micro_batch_size": 1, "batch_size": 1, "dtype": "bf16",
         "train_lm_head": False, "checkpoint_every": 0, "scratch": sizes}})["train"]
     aux_ids = default_aux_layer_ids(61)

@@ -33,10 +33,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from eagle3lib import model, runs, train
+from eagle3lib import model, train
 from eagle3lib.config import default_aux_layer_ids
 from eagle3lib.data import TrainingData
 from eagle3lib.loss import Targets, verifier_draft_logits, weighted_loss
+from eagle3lib.params import load_params
 from eagle3lib.trainer import Processes, Trainer
 from eagle3lib.vocab import VocabMap
 
@@ -138,7 +139,7 @@ def build_trainer(args: argparse.Namespace, fake: FakeTensorMode) -> tuple[Train
         "batch_size": args.micro_batch, "dtype": args.dtype, "checkpoint_every": 0, "scratch": sizes}}
     if args.train_lm_head is not None:
         overrides["train"]["train_lm_head"] = args.train_lm_head
-    t = runs.load_params(None, overrides)["train"]
+    t = load_params(None, overrides)["train"]
     B, T, H, data_dtype = t["micro_batch_size"], t["seq_len"], args.hidden, getattr(torch, args.data_dtype)
     # a real vocab map (its tensors are small): every (Vt // Vd)-th target id is a draft token
     vocab_map = VocabMap.from_ids(torch.arange(args.vd) * (args.vt // args.vd), args.vt)

@@ -31,9 +31,9 @@ from eagle3lib.data import (
     prepared_dir,
 )
 from eagle3lib.files import save_safetensors, shareable_tree, staging_path
+from eagle3lib.params import check_positive
 from eagle3lib.progress import progress as progress_bar
 from eagle3lib.regenerate import make_engine, regenerate, settings_from_data, source_description
-from eagle3lib.runs import check_positive
 from eagle3lib.sources import (
     Sample,
     check_text_kind,
@@ -371,8 +371,7 @@ def check_prepare_settings(params: dict, vocab_size: int | None = None) -> None:
     if settings["text"] == "regenerate":
         settings_from_data(settings, params["run"]["seed"]).check()
     parse_dtype(settings["dtype"], "data.dtype")
-    check_positive("data", settings, ("num_tokens", "seq_len", "batch_size", "shard_tokens", "max_new_tokens",
-                                      "prompt_chars", "draft_vocab_size"))
+    check_positive("data", settings)
     if not 0 <= settings["heldout_fraction"] < 1:
         raise DataError(f"data.heldout_fraction must lie in [0, 1), got {settings['heldout_fraction']}")
     spec = params["target"]["spec"]

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from eagle3lib.files import load_weights_only, read_safetensors, read_safetensors_header, resolve_path
+from eagle3lib.runs import PREPARE_DATA
 from eagle3lib.vocab import VocabMap
 
 FORMAT = "eagle3lib-hidden-states"
@@ -44,7 +45,6 @@ SHARD_KEYS = (
     "sample_lengths",
 )
 HEAD_KEYS = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
-PREPARE_STEP = "00_prepare_data"
 SOURCE_SUBDIR = "source"  # 00_prepare_data/source/: data.source_corpus, for training the source drafter
 VOCAB_MAP_FILE = "vocab_map.safetensors"
 
@@ -546,7 +546,7 @@ def prepared_dir(run_dir: str | os.PathLike, which: str = "main") -> Path:
     vocab map and token counts at the top; `source` (data.source_corpus) is its `source/` subfolder."""
     if which not in ("main", "source"):
         raise ValueError(f"which must be 'main' or 'source', got {which!r}")
-    step = Path(run_dir) / PREPARE_STEP
+    step = Path(run_dir) / PREPARE_DATA
     return step if which == "main" else step / SOURCE_SUBDIR
 
 

@@ -60,7 +60,7 @@ def check_probe_settings(params: dict, drafter: bool = True) -> None:
     """Refuse `probe` settings that cannot work, naming the key, before a target is loaded: those of
     01_probe_drafter (its `drafter` too), and the decoding 05_evaluate shares with it (`drafter=False`)."""
     from eagle3lib import benchmarks
-    from eagle3lib.runs import check_positive
+    from eagle3lib.params import check_positive
     from eagle3lib.speculate import DraftSettings
 
     p = params["probe"]
@@ -68,10 +68,9 @@ def check_probe_settings(params: dict, drafter: bool = True) -> None:
     if drafter and not p["drafter"]:
         raise ValueError("probe.drafter is empty: give the drafter checkpoint folder to probe")
     benchmarks.check_corpus(p["corpus"], "probe.corpus")
-    check_positive("probe", p, ("num_prompts", "prompt_chars", "max_new_tokens", "batch_size"))
+    check_positive("probe", p)
     try:
-        DraftSettings(steps=p["steps"], topk=p["topk"], num_draft_tokens=p["num_draft_tokens"],
-                      temperature=p["temperature"])
+        DraftSettings.from_probe(p)
     except ValueError as err:
         raise ValueError(f"probe.steps, topk, num_draft_tokens, temperature: {err}") from err
 
@@ -129,7 +128,7 @@ def drafter_entries(entries: list, key: str = "evaluate.drafters") -> dict[str, 
     """`[{name, path}, ...]` from params → {name: checkpoint folder}, refusing unnamed, duplicate or
     path-less entries by their place in the list."""
     from eagle3lib.files import resolve_path
-    from eagle3lib.runs import ParamsError
+    from eagle3lib.params import ParamsError
 
     if not entries:
         raise ParamsError(f"{key} is empty: name at least one drafter")

@@ -388,9 +388,7 @@ def evaluate_drafters(
 
     p, e = params["probe"], params["evaluate"]
     dtype = p["dtype"] or params["target"]["dtype"]
-    settings = DraftSettings(
-        steps=p["steps"], topk=p["topk"], num_draft_tokens=p["num_draft_tokens"], temperature=p["temperature"]
-    )
+    settings = DraftSettings.from_probe(p)
     builtin = p["backend"] == "builtin"
     reply = engines.target_replies(target, p["max_new_tokens"], p["batch_size"])
     metrics, outputs, comparisons, prompt_counts, first_prompts = {}, {}, {}, {}, None

@@ -37,6 +37,7 @@ from eagle3lib.data import (
     window,
     window_plans,
 )
+from eagle3lib.params import ONLINE_TEXT_KEYS
 from eagle3lib.progress import progress as progress_bar
 from eagle3lib.target import Target
 from eagle3lib.vocab import VocabMap
@@ -44,9 +45,6 @@ from eagle3lib.vocab import VocabMap
 FORMAT = "eagle3lib-text"
 FOLDER = "online_data"
 TEXT_FILE = "text.safetensors"
-# the data settings that decide the text (and so the batches) of an online run
-TEXT_SETTINGS = ("corpus", "num_tokens", "text", "loss_turns", "max_new_tokens", "regenerate", "prompt_chars",
-                 "seq_len", "batch_size", "shard_tokens", "heldout_fraction", "draft_vocab_size")
 
 
 def make_text(target: Target, data: dict, seed: int, folder: Path) -> Path:
@@ -66,7 +64,7 @@ def make_text(target: Target, data: dict, seed: int, folder: Path) -> Path:
         "format": FORMAT,
         "target": target.describe(),
         "seed": seed,
-        "settings": {key: data[key] for key in TEXT_SETTINGS},
+        "settings": {key: data[key] for key in ONLINE_TEXT_KEYS},
         "provenance": provenance,
         "num_samples": len(kept),
         "num_tokens": len(input_ids),
@@ -86,7 +84,7 @@ def make_text(target: Target, data: dict, seed: int, folder: Path) -> Path:
 def check_text(folder: Path, target: Target, data: dict, seed: int) -> dict:
     """The folder's manifest, or a DataError naming what the recipe now says differently."""
     manifest = json.loads((folder / "manifest.json").read_text())
-    wanted = {key: data[key] for key in TEXT_SETTINGS}
+    wanted = {key: data[key] for key in ONLINE_TEXT_KEYS}
     changed = [f"data.{key} {manifest['settings'].get(key)!r} -> {value!r}"
                for key, value in wanted.items() if manifest["settings"].get(key) != value]
     if manifest["seed"] != seed:
@@ -166,11 +164,6 @@ class OnlineReader:
         return f"OnlineReader({str(self.path)!r}, target={self.target.name}, samples={self.num_samples})"
 
 
-def load_target(params: dict, device: torch.device | str) -> Target:
-    spec = params["target"]
-    return Target.load(spec["spec"], dtype=spec["dtype"], device=device, cache_dir=spec["cache_dir"] or None)
-
-
 def ensure_text(params: dict, out: Path, target: Target) -> dict:
     """The manifest of `out/online_data/`: made when missing, else checked against the recipe."""
     folder = Path(out) / FOLDER
@@ -185,7 +178,7 @@ def online_training_data(params: dict, out: Path, device: torch.device, main: bo
     text folder `out/online_data/` (made by the main process when missing; `train_arms` makes it before
     it launches torchrun, so that no rank waits on a long self-distillation), and the vocab map
     (`train.vocab_map`, else the text's own)."""
-    target = load_target(params, device)
+    target = Target.from_params(params["target"], device)
     manifest = ensure_text(params, out, target) if main else None
     barrier()
     folder = Path(out) / FOLDER

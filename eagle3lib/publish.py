@@ -28,7 +28,7 @@ class PublishError(ValueError):
 
 def publish(run_dir: Path, arm: str, out: Path, *, command: str, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Copy the drafter of `run_dir/04_finetune/<arm>/` to `out/` in `dtype`, with its provenance."""
-    arm_folder = Path(run_dir) / "04_finetune" / arm
+    arm_folder = Path(run_dir) / runs.FINETUNE / arm
     summary_path = arm_folder / "summary.json"
     if not summary_path.is_file():
         raise PublishError(f"{summary_path}: no finished arm to publish (run notebook 04 first)")
@@ -50,12 +50,12 @@ def publish(run_dir: Path, arm: str, out: Path, *, command: str, dtype: torch.dt
             "dtype": str(dtype).removeprefix("torch."),
             "load_report": report.summary(),
             "recipe": yaml.safe_load((Path(run_dir) / "params.yaml").read_text()),
-            "data": metrics.get("00_prepare_data"),
+            "data": metrics.get(runs.PREPARE_DATA),
             "steps": summary["steps"],
             "training_seconds": summary["seconds"],
             "final_check": summary["final_check"],
             "training_curve": curve,
-            "measured": metrics.get("05_evaluate"),
+            "measured": metrics.get(runs.EVALUATE),
             "learning_curve": _read_json(arm_folder / "learning_curve.json"),
             "sha256": {WEIGHTS: files.file_sha256(staging / WEIGHTS)},
         }
@@ -69,7 +69,7 @@ def _read_json(path: Path) -> dict | None:
 
 def training_commit(metrics: dict) -> str:
     """The git commit `eagle3 run` recorded when it ran notebook 04 ("+changes": with uncommitted edits)."""
-    runs_of_04 = [p for p in metrics.get("provenance", []) if "04_finetune" in p.get("notebooks", [])]
+    runs_of_04 = [p for p in metrics.get("provenance", []) if runs.FINETUNE in p.get("notebooks", [])]
     if not runs_of_04:
         raise PublishError("the run's metrics.json records no provenance for 04_finetune (use eagle3 run)")
     return runs_of_04[-1]["git commit"]

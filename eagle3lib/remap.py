@@ -33,14 +33,15 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from eagle3lib.data import VOCAB_MAP_FILE, prepared_dir
 from eagle3lib.files import describe_occupant, resolve_path
 from eagle3lib.model import Eagle3Drafter
-from eagle3lib.runs import ParamsError
+from eagle3lib.params import ParamsError
+from eagle3lib.runs import PREPARE_DATA
 from eagle3lib.vocab import VocabMap
 
 MISSING_POLICIES = ("verifier", "mean", "zeros", "random")
 POLICY_NAMES = ", ".join(MISSING_POLICIES)
-PREPARE_STEP = "00_prepare_data"  # where notebook 00 writes the run's vocab map and token counts
 # rows per slice when statistics or the proof walk over an lm_head (bounds temporary memory)
 CHUNK_ROWS = 4096
 
@@ -381,13 +382,13 @@ def notebook_inputs(params: dict, run_dir: str | os.PathLike, names: tuple[str, 
     `vocab.map_a` defaults to `remap.source_drafter`'s map; `vocab.map_b` and `vocab.counts` default to the
     map and token counts 00_prepare_data writes.
     """
-    prepared = Path(run_dir) / PREPARE_STEP
+    prepared = prepared_dir(run_dir)
     vocab, remap = params["vocab"], params["remap"]
     source = resolve_path(remap["source_drafter"]) if remap["source_drafter"] else None
     candidates = {
         "source_drafter": source,
         "map_a": resolve_path(vocab["map_a"]) if vocab["map_a"] else source,
-        "map_b": resolve_path(vocab["map_b"]) if vocab["map_b"] else prepared / "vocab_map.safetensors",
+        "map_b": resolve_path(vocab["map_b"]) if vocab["map_b"] else prepared / VOCAB_MAP_FILE,
         "counts": resolve_path(vocab["counts"]) if vocab["counts"] else prepared / "token_counts.safetensors",
     }
     found = {}
@@ -397,7 +398,7 @@ def notebook_inputs(params: dict, run_dir: str | os.PathLike, names: tuple[str, 
             raise ParamsError(f"set remap.source_drafter (a drafter checkpoint folder) for {name}")
         if not path.exists():
             raise FileNotFoundError(
-                f"{path} does not exist (the {name} input); run {PREPARE_STEP} first or set it in the params"
+                f"{path} does not exist (the {name} input); run {PREPARE_DATA} first or set it in the params"
             )
         found[name] = path
     return found

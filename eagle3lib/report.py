@@ -25,14 +25,14 @@ def _fmt(value) -> str:
 def key_numbers(metrics: dict) -> list[str]:
     """The experiment's answer in a few lines and tables: map agreement, remap, arms, τ per drafter."""
     lines: list[str] = []
-    diff = metrics.get("02_diff_vocab_maps", {})
+    diff = metrics.get(runs.DIFF_VOCAB_MAPS, {})
     if "positions_equal" in diff:
         lines.append(
             f"- Map agreement: {diff['positions_equal']:,} of {diff['positions_compared']:,} draft positions "
             f"agree (first divergence at {diff['first_divergence']}); {diff['intersection']:,} tokens "
             f"shared, {diff['only_in_a']:,} only in map A, {diff['only_in_b']:,} only in map B."
         )
-    remap = metrics.get("03_remap_lm_head", {})
+    remap = metrics.get(runs.REMAP_LM_HEAD, {})
     if "moved" in remap:
         proof = remap.get("proof") or {}
         verdict = "passed" if proof.get("passed") else "FAILED"
@@ -41,11 +41,11 @@ def key_numbers(metrics: dict) -> list[str]:
             f"filled ({remap['missing']}), {remap['dropped']:,} dropped; proof: max |logit difference| "
             f"{proof.get('max_abs_diff')} over the shared tokens ({verdict})."
         )
-    probe = metrics.get("01_probe_drafter", {})
+    probe = metrics.get(runs.PROBE_DRAFTER, {})
     if "tau" in probe:
         lines.append(f"- Probe of the source drafter ({probe['backend']}, {probe['steps']} steps): "
                      f"τ {tau_text(probe)}.")
-    arms = metrics.get("04_finetune", {}).get("arms", {})
+    arms = metrics.get(runs.FINETUNE, {}).get("arms", {})
     if arms:
         lines += ["", "| fine-tuning arm | loss_0 at step 0 | acc_0 at step 0 | step-0 check | loss_0 at end "
                   "| acc_0 at end | predicted τ |", "|---|---|---|---|---|---|---|"]
@@ -59,7 +59,7 @@ def key_numbers(metrics: dict) -> list[str]:
                 f"| {name} | {_fmt(arm['initial_loss'])} | {_fmt(arm['initial_acc_0'])} | {check} | "
                 f"{_fmt(arm['final_loss'])} | {_fmt(arm['final_acc_0'])} | {_fmt(arm['predicted_tau'])} |"
             )
-    lines += summary_lines(metrics.get("05_evaluate", {}))
+    lines += summary_lines(metrics.get(runs.EVALUATE, {}))
     return lines
 
 

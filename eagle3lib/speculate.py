@@ -171,6 +171,12 @@ class DraftSettings:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
 
+    @classmethod
+    def from_probe(cls, probe: dict) -> DraftSettings:
+        """The decoding a recipe's `probe` section asks for (01, and 05 for every drafter)."""
+        return cls(steps=probe["steps"], topk=probe["topk"], num_draft_tokens=probe["num_draft_tokens"],
+                   temperature=probe["temperature"])
+
     @property
     def samples_drafts(self) -> bool:
         return self.temperature > 0 and self.topk == 1 and self.sample_drafts

@@ -52,10 +52,11 @@ from eagle3lib.loss import (
     chance_loss,
 )
 from eagle3lib.model import Eagle3Drafter
-from eagle3lib.online import ensure_text, load_target, online_training_data
+from eagle3lib.online import ensure_text, online_training_data
+from eagle3lib.params import STAND_IN_DATA_KEYS, STAND_IN_TRAIN_KEYS, load_params, minimums
 from eagle3lib.remap import MISSING_POLICIES, drafter_map, remap_drafter
+from eagle3lib.target import Target
 from eagle3lib.trainer import (
-    RESUME_FREE,
     Processes,
     Trainer,
     TrainingError,
@@ -240,11 +241,10 @@ def _describe_config(c: DrafterConfig) -> str:
 
 def check_settings(train: dict) -> None:
     """Refuse train params that cannot work, naming the key, before anything is loaded."""
-    at_least = {"steps": 1, "batch_size": 1, "micro_batch_size": 1, "seq_len": 2, "ttt_steps": 1,
-                "log_every": 1, "check_batches": 1, "keep_checkpoints": 1, "nproc": 1, "warmup_steps": 0,
-                "checkpoint_every": 0}
-    problems = [f"train.{key} must be an integer >= {low}, got {train[key]!r}"
-                for key, low in at_least.items() if not isinstance(train[key], int) or train[key] < low]
+    problems = [
+        f"train.{key} must be an integer >= {low}, got {train[key]!r}"
+        for key, low in minimums("train").items() if not isinstance(train[key], int) or train[key] < low
+    ]
     if not train["lr"] > 0 or not train["step_decay"] > 0 or train["max_grad_norm"] < 0:
         problems.append(f"train.lr ({train['lr']}) and train.step_decay ({train['step_decay']}) must be "
                         f"positive, train.max_grad_norm ({train['max_grad_norm']}) not negative")
@@ -428,7 +428,7 @@ def train_arms(
     out = Path(out)
     if train["nproc"] > 1:
         if train["data_mode"] == "online":  # the text first, in one process (self-distillation is long)
-            ensure_text(params, out, load_target(params, params["run"]["device"]))
+            ensure_text(params, out, Target.from_params(params["target"], params["run"]["device"]))
         launch(params, out, run_dir, resume=resume)
         return {arm: ArmResult.read(out / arm) for arm in train["arms"]}
     procs = Processes.start(params["run"]["device"])
@@ -445,15 +445,11 @@ def arms_data(params: dict, out: Path, run_dir: Path | None, procs: Processes) -
 
 def stand_in_key(params: dict, target_fingerprint: str) -> str:
     """What decides a stand-in source drafter's weights: the target, the source data, the schedule."""
-    data, train = params["data"], params["train"]
-    ignored = set(RESUME_FREE) | {"data", "vocab_map", "drafter", "allow_no_remap", "remap_missing", "steps"}
     decisive = {
         "target": target_fingerprint,
         "seed": params["run"]["seed"],
-        "data": {key: data[key] for key in ("source_corpus", "num_tokens", "text", "loss_turns",
-                                             "max_new_tokens", "regenerate", "prompt_chars", "seq_len",
-                                             "dtype", "heldout_fraction", "draft_vocab_size")},
-        "train": {key: value for key, value in train.items() if key not in ignored},
+        "data": {key: params["data"][key] for key in STAND_IN_DATA_KEYS},
+        "train": {key: params["train"][key] for key in STAND_IN_TRAIN_KEYS},
         "steps": params["stand_in"]["steps"],
     }
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:16]
@@ -548,8 +544,8 @@ def recipe_for_training(
 ) -> tuple[dict, Path, Path]:
     """(params with '@' paths resolved, the arms' output folder, the run folder) for a training command:
     output by default `outputs/<run.name>/04_finetune`, run folder by default the output's parent."""
-    params = runs.load_params(params_file, overrides)
-    out = files.resolve_path(out or Path(runs.OUTPUTS_DIR, params["run"]["name"], "04_finetune"))
+    params = load_params(params_file, overrides)
+    out = files.resolve_path(out or Path(runs.OUTPUTS_DIR, params["run"]["name"], runs.FINETUNE))
     run_dir = files.resolve_path(run_dir) if run_dir else out.parent
     return runs.resolve_run_paths(params, run_dir), out, run_dir
 

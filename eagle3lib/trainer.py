@@ -40,12 +40,10 @@ from eagle3lib.loss import (
     weighted_loss,
 )
 from eagle3lib.model import Eagle3Drafter
+from eagle3lib.params import RESUME_FREE
 from eagle3lib.progress import progress as progress_bar
 
 STATE_FILE = "training_state.pt"
-# train params that do not change what is computed: a resumed run may set them differently
-RESUME_FREE = ("arms", "nproc", "log_every", "checkpoint_every", "keep_checkpoints", "check_batches",
-               "check_enforce", "save_speculators")
 
 
 class TrainingError(ValueError):

@@ -19,6 +19,7 @@ from eagle3lib.conversations import (
     read_conversations,
 )
 from eagle3lib.data import DataError
+from eagle3lib.params import load_params
 
 CHAT = [
     {"role": "system", "content": "You answer in one sentence."},
@@ -291,13 +292,12 @@ def conversation_file(tmp_path, n=24):
 
 @pytest.mark.parametrize("text", ["conversation", "regenerate"])
 def test_prepare_reads_conversations_and_reports_what_it_read(tmp_path, text):
-    from eagle3lib import runs
     from eagle3lib.capture import REGENERATED_DIR, prepare_for_run
     from eagle3lib.data import DataReader
     from eagle3lib.target import Target
 
     path = conversation_file(tmp_path)
-    params = runs.load_params(
+    params = load_params(
         None,
         {
             "run": {"device": "cpu"},

@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3lib import capture, runs, sources, zoo
+from eagle3lib import capture, sources, zoo
 from eagle3lib.capture import DataWriter
 from eagle3lib.data import DataError, DataReader
+from eagle3lib.params import DEFAULTS
 from eagle3lib.target import Target
 
 H, A, VT = 8, 3, 50
@@ -245,7 +246,7 @@ def tiny() -> Target:
 
 
 def test_prepare_raw_text_matches_a_fresh_capture(tiny, tmp_path):
-    data = {**runs.DEFAULTS["data"], "corpus": "stdlib-code", "num_tokens": 300, "seq_len": 64,
+    data = {**DEFAULTS["data"], "corpus": "stdlib-code", "num_tokens": 300, "seq_len": 64,
             "batch_size": 3, "dtype": "float32", "shard_tokens": 128}
     path = capture.prepare(tiny, data, tmp_path / "code")
     reader = DataReader(path, tiny)

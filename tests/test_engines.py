@@ -18,7 +18,7 @@ from eagle3lib import engines, evaluate
 from eagle3lib.checkpoint import save_drafter
 from eagle3lib.config import DrafterConfig, read_config
 from eagle3lib.model import Eagle3Drafter
-from eagle3lib.runs import ParamsError
+from eagle3lib.params import ParamsError
 
 
 @pytest.fixture(scope="module")

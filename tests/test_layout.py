@@ -38,4 +38,5 @@ def test_no_import_circle():
             visit(module, [])
     # the bottom of the house
     assert not graph["files"] and not graph["progress"] and not graph["devices"]
-    assert graph["runs"] <= {"files", "progress", "devices"}
+    assert graph["params"] <= {"files"}
+    assert graph["runs"] <= {"files", "params", "progress", "devices"}

@@ -22,6 +22,7 @@ from eagle3lib.capture import DataWriter
 from eagle3lib.checkpoint import load_drafter, save_drafter
 from eagle3lib.config import EngineMismatchError
 from eagle3lib.data import TrainingData
+from eagle3lib.params import DEFAULTS, load_params
 from eagle3lib.trainer import STATE_FILE, BatchStream, Processes, Trainer, TrainingDiverged, TrainingError
 from eagle3lib.vocab import VocabMap, load_counts
 
@@ -73,7 +74,7 @@ def data_folder(tmp_path_factory) -> dict:
 
 
 def synthetic_data(folders: dict) -> TrainingData:
-    train = {**runs.DEFAULTS["train"], "data": folders["data"], "vocab_map": folders["vocab_map"]}
+    train = {**DEFAULTS["train"], "data": folders["data"], "vocab_map": folders["vocab_map"]}
     return data.training_data(train, None)
 
 
@@ -82,7 +83,7 @@ def tiny_params(folders: dict, **train_overrides) -> dict:
               "warmup_steps": 5, "log_every": 5, "checkpoint_every": 0, "check_batches": 2, "ttt_steps": 4,
               "scratch": SCRATCH}
     recipe.update(train_overrides)
-    return runs.load_params(None, {"train": recipe, "run": {"device": "cpu"}})
+    return load_params(None, {"train": recipe, "run": {"device": "cpu"}})
 
 
 # ----------------------------------------------------------------------------- loss
