@@ -22,6 +22,8 @@ from eagle3lib.data import (
     FORMAT_VERSION,
     HEAD_KEYS,
     LAST_HIDDEN,
+    TARGET_HEAD_FILE,
+    TOKEN_COUNTS_FILE,
     VOCAB_MAP_FILE,
     DataError,
     DataReader,
@@ -89,7 +91,7 @@ class DataWriter:
         self._tmp = staging_path(self.path, folder=True)
         save_safetensors(
             {k: head[k].detach().contiguous().cpu() for k in HEAD_KEYS},
-            self._tmp / "target_head.safetensors",
+            self._tmp / TARGET_HEAD_FILE,
             metadata={
                 "target": target["name"],
                 "fingerprint": target["fingerprint"],
@@ -170,7 +172,7 @@ class DataWriter:
             raise DataError(f"{self.path}: no samples were written")
         save_safetensors(
             {"counts": self.counts, "argmax_counts": self.argmax_counts},
-            self._tmp / "token_counts.safetensors",
+            self._tmp / TOKEN_COUNTS_FILE,
         )
         manifest = {
             "format": FORMAT,

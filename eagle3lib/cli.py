@@ -272,11 +272,11 @@ def _convert(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from eagle3lib import checkpoint
-    from eagle3lib.remap import load_target_head
+    from eagle3lib.data import load_target_head
 
     embedding = verifier = None
     if args.target:
-        embedding = load_target_head(args.target)["embed_tokens.weight"]
+        embedding = load_target_head(args.target, ("embed_tokens.weight",))[0]["embed_tokens.weight"]
         if (Path(args.target) / "config.json").is_file():  # a model folder, not only its head
             verifier = str(Path(args.target).resolve())
     try:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from eagle3lib.files import load_weights_only, read_safetensors, read_safetensors_header, resolve_path
+from eagle3lib.model import rms_norm
 from eagle3lib.runs import PREPARE_DATA
 from eagle3lib.vocab import VocabMap
 
@@ -47,6 +48,8 @@ SHARD_KEYS = (
 HEAD_KEYS = ("embed_tokens.weight", "norm.weight", "lm_head.weight")
 SOURCE_SUBDIR = "source"  # 00_prepare_data/source/: data.source_corpus, for training the source drafter
 VOCAB_MAP_FILE = "vocab_map.safetensors"
+TOKEN_COUNTS_FILE = "token_counts.safetensors"
+TARGET_HEAD_FILE = "target_head.safetensors"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -63,18 +66,26 @@ class DataError(ValueError):
 _ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
-def load_target_head(path: str | os.PathLike) -> tuple[dict[str, Tensor], float | None]:
-    """A `target_head.safetensors` (or a data folder holding one): the head tensors and the norm's eps."""
-    file = Path(path)
-    file = file / "target_head.safetensors" if file.is_dir() else file
-    if not file.is_file():
-        raise DataError(f"{file}: no target head file")
+def load_target_head(
+    spec: str | os.PathLike, keys: tuple[str, ...] = HEAD_KEYS
+) -> tuple[dict[str, Tensor], float | None]:
+    """The target's head weights `keys` (of `HEAD_KEYS`) and its final norm's eps: from a
+    `target_head.safetensors`, or a data folder holding one, else from the model `spec` names (a Hugging Face
+    folder or zoo:<name>)."""
+    path = Path(spec)
+    file = path / TARGET_HEAD_FILE if path.is_dir() else path
+    if not (file.is_file() and file.suffix == ".safetensors"):
+        from eagle3lib.target import Target
+
+        target = Target.load(spec, device="cpu")
+        weights = target.head_weights()
+        return {key: weights[key] for key in keys}, target.rms_norm_eps
     header = read_safetensors_header(file, DataError)
-    missing = [k for k in HEAD_KEYS if k not in header.tensors]
+    missing = [k for k in keys if k not in header.tensors]
     if missing:
         raise DataError(f"{file}: lacks {', '.join(missing)}")
     eps = header.metadata.get("rms_norm_eps")
-    return read_safetensors(file, HEAD_KEYS, DataError), None if eps is None else float(eps)
+    return read_safetensors(file, keys, DataError), None if eps is None else float(eps)
 
 
 class DataReader:
@@ -110,7 +121,7 @@ class DataReader:
         if (self.path / "manifest.json").is_file():
             self.format = "eagle3lib"
             self.manifest = self._check_manifest()
-            self._head_path = self.path / "target_head.safetensors"
+            self._head_path = self.path / TARGET_HEAD_FILE
             if aux_layer_ids is not None and list(aux_layer_ids) != self.manifest["aux_layer_ids"]:
                 raise DataError(
                     f"{self.path}: holds aux layers {self.manifest['aux_layer_ids']}, "
@@ -192,7 +203,7 @@ class DataReader:
     def token_counts(self) -> Tensor:
         """Input-token counts under the loss mask, [Vt] int64 (for VocabMap.from_counts)."""
         if self.format == "eagle3lib":
-            file = self.path / "token_counts.safetensors"
+            file = self.path / TOKEN_COUNTS_FILE
             counts = read_safetensors(file, ["counts"], DataError)["counts"]
             if counts.shape != (self.vocab_size,):
                 raise DataError(
@@ -251,9 +262,9 @@ class DataReader:
             if total != manifest[key]:
                 raise DataError(f"{file}: {key} is {manifest[key]} but the shards add up to {total}")
         for name, shapes in (
-            ("token_counts.safetensors", {"counts": [manifest["vocab_size"]]}),
+            (TOKEN_COUNTS_FILE, {"counts": [manifest["vocab_size"]]}),
             (
-                "target_head.safetensors",
+                TARGET_HEAD_FILE,
                 {
                     "embed_tokens.weight": [manifest["vocab_size"], hidden],
                     "norm.weight": [hidden],
@@ -401,8 +412,7 @@ class DataReader:
         if self.format == "speculators":
             if self._eps is None:
                 raise DataError(f"{self._head_path}: no rms_norm_eps in its metadata; pass target= instead")
-            normed = last.float() * torch.rsqrt(last.float().pow(2).mean(-1, keepdim=True) + self._eps)
-            last = head["norm.weight"].to(last.dtype) * normed.to(last.dtype)
+            last = rms_norm(last, head["norm.weight"].to(last.dtype), self._eps)
         weight = head["lm_head.weight"].float()
         argmax = torch.cat([(part.float() @ weight.T).argmax(-1) for part in last.split(1024)])
         return {**sample, "last_hidden_state": last, "target_argmax": argmax}
@@ -562,13 +572,9 @@ def training_data(train: dict, run_dir: str | os.PathLike | None):
     # a SpecForge or speculators dump carries no target head and no aux ids: the recipe names them
     head = resolve_path(train["target_head"]) if train["target_head"] else None
     reader = DataReader(folder, head=head, aux_layer_ids=train["aux_layer_ids"] or None)
-    map_path = resolve_path(train["vocab_map"]) if train["vocab_map"] else folder / VOCAB_MAP_FILE
-    if not map_path.exists():
-        raise DataError(f"{map_path}: no vocab map (run 00_prepare_data, or set train.vocab_map)")
-    vocab_map = VocabMap.load(map_path, vt=reader.vocab_size)
     return TrainingData(
         reader=reader,
-        vocab_map=vocab_map,
+        vocab_map=training_vocab_map(train, folder, reader.vocab_size),
         head=reader.head,
         target_hidden_size=reader.hidden_size,
         vocab_size=reader.vocab_size,
@@ -577,8 +583,16 @@ def training_data(train: dict, run_dir: str | os.PathLike | None):
     )
 
 
+def training_vocab_map(train: dict, folder: Path, vocab_size: int) -> VocabMap:
+    """The draft vocab to train for: `train.vocab_map`, else the map of the data in `folder`."""
+    path = resolve_path(train["vocab_map"]) if train["vocab_map"] else folder / VOCAB_MAP_FILE
+    if not path.exists():
+        raise DataError(f"{path}: no vocab map (set train.vocab_map, or prepare the data with one)")
+    return VocabMap.load(path, vt=vocab_size)
+
+
 def load_token_counts(folder: str | os.PathLike) -> tuple[Tensor, Tensor]:
     """(input-token counts, target-argmax counts) under the loss mask, each [Vt], of a data folder."""
-    file = Path(folder) / "token_counts.safetensors"
+    file = Path(folder) / TOKEN_COUNTS_FILE
     tables = read_safetensors(file, ["counts", "argmax_counts"], DataError)
     return tables["counts"], tables["argmax_counts"]

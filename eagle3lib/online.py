@@ -18,7 +18,6 @@ computes each batch's hidden states when the batch is asked for, only for this p
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,12 +27,14 @@ from torch import Tensor
 from eagle3lib import files
 from eagle3lib.capture import REGENERATED_DIR, capture_pools, parse_dtype, training_text
 from eagle3lib.data import (
+    TOKEN_COUNTS_FILE,
     VOCAB_MAP_FILE,
     DataError,
     TrainingData,
     collate,
     reading_order,
     shard_sizes,
+    training_vocab_map,
     window,
     window_plans,
 )
@@ -74,7 +75,7 @@ def make_text(target: Target, data: dict, seed: int, folder: Path) -> Path:
         files.save_safetensors({"input_ids": input_ids, "loss_mask": loss_mask,
                                "sample_lengths": torch.tensor([len(s.input_ids) for s in kept])},
                               staging / TEXT_FILE)
-        files.save_safetensors({"counts": counts}, staging / "token_counts.safetensors")
+        files.save_safetensors({"counts": counts}, staging / TOKEN_COUNTS_FILE)
         VocabMap.from_counts(counts, data["draft_vocab_size"], target.vocab_size, str(folder)).save(
             staging / VOCAB_MAP_FILE)
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -183,16 +184,12 @@ def online_training_data(params: dict, out: Path, device: torch.device, main: bo
     barrier()
     folder = Path(out) / FOLDER
     manifest = manifest or check_text(folder, target, params["data"], params["run"]["seed"])
-    train = params["train"]
-    map_path = files.resolve_path(train["vocab_map"]) if train["vocab_map"] else folder / VOCAB_MAP_FILE
-    if not os.path.exists(map_path):
-        raise DataError(f"{map_path}: no vocab map (train.vocab_map)")
     aux_layer_ids = target.check_aux_layer_ids(params["target"]["aux_layer_ids"] or None)
     dtype = parse_dtype(params["data"]["dtype"], "data.dtype")
     reader = OnlineReader(folder, target, aux_layer_ids, dtype, manifest)
     return TrainingData(
         reader=reader,
-        vocab_map=VocabMap.load(map_path, vt=target.vocab_size),
+        vocab_map=training_vocab_map(params["train"], folder, target.vocab_size),
         head=target.head_weights(),
         target_hidden_size=target.hidden_size,
         vocab_size=target.vocab_size,

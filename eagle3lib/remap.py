@@ -31,9 +31,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
-from eagle3lib.data import VOCAB_MAP_FILE, prepared_dir
+from eagle3lib.data import TOKEN_COUNTS_FILE, VOCAB_MAP_FILE, load_target_head, prepared_dir
 from eagle3lib.files import describe_occupant, resolve_path
 from eagle3lib.model import Eagle3Drafter
 from eagle3lib.params import ParamsError
@@ -309,22 +308,6 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() - b.double()).abs().amax()
 
 
-def load_target_head(spec: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The target's `lm_head.weight` and `embed_tokens.weight` [Vt, H] from a data folder's
-    `target_head.safetensors` (or that file), else from a target `Target.load` understands."""
-    path = Path(spec)
-    file = path / "target_head.safetensors" if path.is_dir() else path
-    if file.is_file() and file.suffix == ".safetensors":
-        with safe_open(str(file), framework="pt") as handle:
-            absent = [k for k in ("lm_head.weight", "embed_tokens.weight") if k not in handle.keys()]
-            if absent:
-                raise RemapError(f"{file}: no {', '.join(absent)} (a target head file holds both)")
-            return {k: handle.get_tensor(k) for k in ("lm_head.weight", "embed_tokens.weight")}
-    from eagle3lib.target import Target
-
-    return Target.load(spec, device="cpu").head_weights()
-
-
 def check_remap_settings(params: dict) -> None:
     """Refuse 03_remap_lm_head's settings that cannot work, naming the key, before anything is loaded."""
     if params["remap"]["missing"] not in MISSING_POLICIES:
@@ -343,7 +326,7 @@ def remap_checkpoint(
     """`eagle3 remap`: load `source` strictly, move it onto the map in `to_map` (a map file or another
     checkpoint), prove it, and write it to `out` in the source's layout with `out/remap_report.json`.
 
-    `target` (see `load_target_head`) supplies the rows for missing='verifier' and, for a drafter that
+    `target` (see `data.load_target_head`) supplies the rows for missing='verifier' and, for a drafter that
     carries no embedding, the token embedding the proof runs through. A failed proof writes nothing.
     """
     from eagle3lib import checkpoint
@@ -356,7 +339,7 @@ def remap_checkpoint(
     new_map = VocabMap.load(to_map, vt=vt)
     target_head = None
     if target is not None:
-        head = load_target_head(target)
+        head, _ = load_target_head(target, ("lm_head.weight", "embed_tokens.weight"))
         for name, tensor in head.items():
             if tensor.dim() != 2 or tensor.shape != (vt, drafter.config.hidden_size):
                 raise RemapError(
@@ -389,7 +372,7 @@ def notebook_inputs(params: dict, run_dir: str | os.PathLike, names: tuple[str, 
         "source_drafter": source,
         "map_a": resolve_path(vocab["map_a"]) if vocab["map_a"] else source,
         "map_b": resolve_path(vocab["map_b"]) if vocab["map_b"] else prepared / VOCAB_MAP_FILE,
-        "counts": resolve_path(vocab["counts"]) if vocab["counts"] else prepared / "token_counts.safetensors",
+        "counts": resolve_path(vocab["counts"]) if vocab["counts"] else prepared / TOKEN_COUNTS_FILE,
     }
     found = {}
     for name in names:

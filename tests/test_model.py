@@ -6,8 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3lib.config import ConfigError, DrafterConfig
+from eagle3lib.config import ConfigError
 from eagle3lib.model import Eagle3Drafter
+from tests.tiny import tiny_drafter_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators-0.9.0"
 SGLANG_KEYS = {
@@ -32,26 +33,9 @@ CUDA = pytest.param("cuda", marks=NO_CUDA)
 DEVICES = ["cpu", CUDA]
 
 
-def tiny_config(**overrides) -> DrafterConfig:
-    fields = dict(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=48,
-        vocab_size=64,
-        draft_vocab_size=24,
-        target_hidden_size=40,
-        aux_layer_ids=[1, 3, 4],
-        rope_theta=10000.0,
-    )
-    fields.update(overrides)
-    return DrafterConfig(**fields)
-
-
 def tiny_drafter(seed: int = 0, **overrides) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    drafter = Eagle3Drafter(tiny_config(**overrides))
+    drafter = Eagle3Drafter(tiny_drafter_config(**overrides))
     with torch.no_grad():  # norms away from 1 so that every weight matters
         for name, p in drafter.named_parameters():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
@@ -272,12 +256,12 @@ def test_cache_and_mask_errors():
 
 
 def test_parameter_names_are_the_sglang_checkpoint_keys():
-    drafter = Eagle3Drafter(tiny_config())
+    drafter = Eagle3Drafter(tiny_drafter_config())
     assert set(drafter.state_dict()) == SGLANG_KEYS | {"d2t", "t2d"}
     drafter.attach_embedding(torch.randn(64, 32))
     assert set(drafter.state_dict()) == SGLANG_KEYS | {"d2t", "t2d"}  # the target's embedding is never saved
     assert not any(name.startswith("target_embedding") for name, _ in drafter.named_parameters())
-    owned = Eagle3Drafter(tiny_config(), embed_tokens=True)
+    owned = Eagle3Drafter(tiny_drafter_config(), embed_tokens=True)
     assert set(owned.state_dict()) == SGLANG_KEYS | {"d2t", "t2d", "embed_tokens.weight"}
     assert not owned.embed_tokens.weight.requires_grad
     assert drafter.lm_head.weight.shape == (24, 32) and drafter.fc.weight.shape == (32, 120)
@@ -285,12 +269,12 @@ def test_parameter_names_are_the_sglang_checkpoint_keys():
 
 
 def test_embedding_is_required_and_checked():
-    drafter = Eagle3Drafter(tiny_config())
+    drafter = Eagle3Drafter(tiny_drafter_config())
     with pytest.raises(RuntimeError, match="attach_embedding"):
         drafter(torch.zeros(1, 2, dtype=torch.long), torch.randn(1, 2, 120))
     with pytest.raises(ValueError, match=r"expected \[64, 32\]"):
         drafter.attach_embedding(torch.randn(63, 32))
-    owned = Eagle3Drafter(tiny_config(), embed_tokens=True)
+    owned = Eagle3Drafter(tiny_drafter_config(), embed_tokens=True)
     target = torch.randn(64, 32)
     owned.attach_embedding(target)  # the target's replaces the carried one, as the engines do
     assert "embed_tokens.weight" not in owned.state_dict()
@@ -298,7 +282,7 @@ def test_embedding_is_required_and_checked():
 
 
 def test_draft_to_target_uses_d2t_offsets():
-    drafter = Eagle3Drafter(tiny_config())
+    drafter = Eagle3Drafter(tiny_drafter_config())
     drafter.d2t.copy_(torch.arange(24) * 2 % 40)
     ids = torch.tensor([[0, 5, 23]])
     assert torch.equal(drafter.draft_to_target(ids), ids + (ids * 2 % 40))
@@ -311,7 +295,7 @@ def test_draft_to_target_uses_d2t_offsets():
 def test_refused_options_name_themselves(option):
     name = next(iter(option)) if len(option) == 1 else "feeds norm"
     with pytest.raises(ConfigError, match=name):
-        Eagle3Drafter(tiny_config(**option))
+        Eagle3Drafter(tiny_drafter_config(**option))
 
 
 def test_scaled_rope_matches_transformers():
@@ -326,7 +310,7 @@ def test_scaled_rope_matches_transformers():
         "original_max_position_embeddings": 64,
     }
     drafter = Eagle3Drafter(
-        tiny_config(rope_scaling=scaling, rope_theta=500000.0, max_position_embeddings=512)
+        tiny_drafter_config(rope_scaling=scaling, rope_theta=500000.0, max_position_embeddings=512)
     )
     positions = torch.arange(0, 300, 7)[None]
     cos, sin = drafter.rotary_emb(positions, torch.float32)
@@ -342,7 +326,7 @@ def test_scaled_rope_matches_transformers():
     hf_cos, hf_sin = hf(torch.zeros(1, 1, 8), positions)
     torch.testing.assert_close(cos, hf_cos)
     torch.testing.assert_close(sin, hf_sin)
-    plain = Eagle3Drafter(tiny_config(rope_theta=500000.0)).rotary_emb(positions, torch.float32)[0]
+    plain = Eagle3Drafter(tiny_drafter_config(rope_theta=500000.0)).rotary_emb(positions, torch.float32)[0]
     assert (plain - cos).abs().max() > 1e-3
 
 
