@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from eagle3lib import model, train
+from eagle3lib import train, ttt_attention
 from eagle3lib.config import default_aux_layer_ids
 from eagle3lib.data import TrainingData
 from eagle3lib.loss import Targets, verifier_draft_logits, weighted_loss
@@ -305,8 +305,8 @@ def main() -> None:
     if args.train_lm_head is not None:
         args.train_lm_head = args.train_lm_head == "true"
     if args.attention == "blocks":  # fake tensors are CPU tensors; a GPU run takes the blocked path
-        model.causal_attention_with_lse = model.BlockedCausalAttention.forward
-        model.causal_attention_backward = model.BlockedCausalAttention.backward
+        ttt_attention.causal_attention_with_lse = ttt_attention.BlockedCausalAttention.forward
+        ttt_attention.causal_attention_backward = ttt_attention.BlockedCausalAttention.backward
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     trainer, head, batch = build_trainer(args, fake)
     with fake:

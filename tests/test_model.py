@@ -353,7 +353,7 @@ def ttt_attention_inputs(steps: int, T: int = 7, dtype=torch.float64):
 
 @pytest.mark.parametrize("steps", [2, 4])
 def test_prefix_and_diagonals_attention_is_exact_with_exact_gradients(steps):
-    from eagle3lib.model import PrefixAndDiagonalsAttention
+    from eagle3lib.ttt_attention import PrefixAndDiagonalsAttention
 
     q, *kv = [t.requires_grad_() for t in ttt_attention_inputs(steps)]
     keys, values = kv[:steps], kv[steps:]
@@ -374,7 +374,11 @@ def test_prefix_and_diagonals_attention_is_exact_with_exact_gradients(steps):
 @pytest.mark.parametrize("score_elements", [300, 2**26])  # blocks of 3 query rows, or all 8 at once
 def test_blocked_causal_attention_matches_the_fused_kernel(score_elements, monkeypatch):
     """The off-CPU path (blocks of query rows in plain torch) against the CPU's fused kernel."""
-    from eagle3lib.model import BlockedCausalAttention, causal_attention_backward, causal_attention_with_lse
+    from eagle3lib.ttt_attention import (
+        BlockedCausalAttention,
+        causal_attention_backward,
+        causal_attention_with_lse,
+    )
 
     monkeypatch.setattr(BlockedCausalAttention, "score_elements", score_elements)
     q, k, v = ttt_attention_inputs(1, T=8)[:3]
@@ -393,7 +397,7 @@ def test_blocked_causal_attention_matches_the_fused_kernel(score_elements, monke
 @pytest.mark.parametrize("device", DEVICES)
 def test_unroll_gradients_match_the_masked_reference_in_bfloat16_autocast(device):
     """The trainer's setting, bf16 autocast over float32 weights: gradients as with masked attention."""
-    import eagle3lib.model as model
+    from eagle3lib import ttt_attention
 
     def masked_attend(cache, q, k, v, attention_mask):
         cache.keys.append(k)
@@ -411,12 +415,12 @@ def test_unroll_gradients_match_the_masked_reference_in_bfloat16_autocast(device
         return {name: p.grad.clone() for name, p in drafter.named_parameters()}
 
     fused = gradients()
-    original = model.TTTCache.attend
-    model.TTTCache.attend = masked_attend
+    original = ttt_attention.TTTCache.attend
+    ttt_attention.TTTCache.attend = masked_attend
     try:
         reference = gradients()
     finally:
-        model.TTTCache.attend = original
+        ttt_attention.TTTCache.attend = original
     for name, grad in fused.items():
         scale = reference[name].abs().max()
         assert (grad - reference[name]).abs().max() <= 0.02 * scale, name
@@ -437,13 +441,15 @@ def masked_attention_on_cpu(q, kv, dtype=torch.float64):
 def test_prefix_kernel_is_chosen_by_device_and_support(monkeypatch):
     """Device type picks the list of fused kernels; on CUDA torch's SDPA checks decide between flash, the
     memory-efficient kernel and the blocked path, asked about the inputs as the kernel will get them."""
-    from eagle3lib import model
+    from eagle3lib import ttt_attention
 
-    assert model.FUSED_PREFIX_KERNELS["cuda"] == (model.CUDA_FLASH_KERNEL, model.CUDA_EFFICIENT_KERNEL)
+    cuda_kernels = (ttt_attention.CUDA_FLASH_KERNEL, ttt_attention.CUDA_EFFICIENT_KERNEL)
+    assert ttt_attention.FUSED_PREFIX_KERNELS["cuda"] == cuda_kernels
     q, k, v = ttt_attention_inputs(1, T=5)[:3]  # 6 query heads over 2 key heads
-    assert model.prefix_attention_kernel(q, k, v) is model.CPU_FLASH_KERNEL
+    assert ttt_attention.prefix_attention_kernel(q, k, v) is ttt_attention.CPU_FLASH_KERNEL
     meta = [x.to("meta") for x in (q, k, v)]
-    assert model.prefix_attention_kernel(*meta) is model.BLOCKED_KERNEL  # no fused kernel on this device
+    # no fused kernel on this device
+    assert ttt_attention.prefix_attention_kernel(*meta) is ttt_attention.BLOCKED_KERNEL
 
     usable, asked = {}, []
 
@@ -456,20 +462,22 @@ def test_prefix_kernel_is_chosen_by_device_and_support(monkeypatch):
 
     monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention", answer("flash"))
     monkeypatch.setattr(torch.backends.cuda, "can_use_efficient_attention", answer("efficient"))
-    monkeypatch.setitem(model.FUSED_PREFIX_KERNELS, "cpu", model.FUSED_PREFIX_KERNELS["cuda"])  # CPU tensors
+    cuda_kernels = ttt_attention.FUSED_PREFIX_KERNELS["cuda"]
+    monkeypatch.setitem(ttt_attention.FUSED_PREFIX_KERNELS, "cpu", cuda_kernels)  # CPU tensors
     for flash, efficient, expected in [
-        (True, True, model.CUDA_FLASH_KERNEL),
-        (False, True, model.CUDA_EFFICIENT_KERNEL),
-        (False, False, model.BLOCKED_KERNEL),
+        (True, True, ttt_attention.CUDA_FLASH_KERNEL),
+        (False, True, ttt_attention.CUDA_EFFICIENT_KERNEL),
+        (False, False, ttt_attention.BLOCKED_KERNEL),
     ]:
         usable.update(flash=flash, efficient=efficient)
         asked.clear()
-        assert model.prefix_attention_kernel(q, k, v) is expected
+        assert ttt_attention.prefix_attention_kernel(q, k, v) is expected
         assert asked[0] == ("flash", q.shape, q.shape, True)  # key heads expanded to the query heads
-    with model.forced_prefix_kernel(model.BLOCKED_KERNEL):
-        assert model.prefix_attention_kernel(q, k, v) is model.BLOCKED_KERNEL
+    with ttt_attention.forced_prefix_kernel(ttt_attention.BLOCKED_KERNEL):
+        assert ttt_attention.prefix_attention_kernel(q, k, v) is ttt_attention.BLOCKED_KERNEL
     usable.update(flash=True)
-    assert model.prefix_attention_kernel(q, k, v) is model.CUDA_FLASH_KERNEL  # the forced kernel is undone
+    # the forced kernel is undone
+    assert ttt_attention.prefix_attention_kernel(q, k, v) is ttt_attention.CUDA_FLASH_KERNEL
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -477,9 +485,9 @@ def test_prefix_kernel_is_chosen_by_device_and_support(monkeypatch):
 def test_cuda_kernels_call_the_real_ops_as_their_schemas_say(kernel_name, dtype):
     """The real CUDA ops on meta tensors: torch binds every argument against the op's schema and its meta
     function gives the shapes the CUDA kernel would (the efficient kernel's log-sum-exp padded to 64 rows)."""
-    from eagle3lib import model
+    from eagle3lib import ttt_attention
 
-    kernel = getattr(model, kernel_name)
+    kernel = getattr(ttt_attention, kernel_name)
     q = torch.empty(2, 6, 40, 16, device="meta", dtype=dtype)
     k, v = (torch.empty(2, 2, 40, 16, device="meta", dtype=dtype) for _ in range(2))
     out, lse = kernel.forward(q, k, v)
@@ -521,7 +529,7 @@ class StandInCudaOps:
     def efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *,
                   scale=None):
         assert key.shape == query.shape and attn_bias is None and compute_log_sumexp and is_causal
-        from eagle3lib.model import efficient_lse_length
+        from eagle3lib.ttt_attention import efficient_lse_length
 
         StandInCudaOps.calls.append("efficient")
         out, lse = CPU_FLASH(query, key, value, is_causal=True)
@@ -532,7 +540,7 @@ class StandInCudaOps:
     @staticmethod
     def efficient_backward(grad_out_, query, key, value, attn_bias, out, logsumexp, philox_seed,
                            philox_offset, dropout_p, grad_input_mask, is_causal=False, *, scale=None):
-        from eagle3lib.model import efficient_lse_length
+        from eagle3lib.ttt_attention import efficient_lse_length
 
         T = query.shape[2]
         assert attn_bias is None and dropout_p == 0.0 and list(grad_input_mask) == [True, True, True, False]
@@ -549,7 +557,7 @@ class StandInCudaOps:
 def test_stand_in_cuda_ops_have_the_real_signatures(op):
     import inspect
 
-    from eagle3lib.model import CudaAttentionOps
+    from eagle3lib.ttt_attention import CudaAttentionOps
 
     schema = getattr(CudaAttentionOps, op)._schema
     parameters = inspect.signature(getattr(StandInCudaOps, op)).parameters.values()
@@ -562,16 +570,16 @@ def test_stand_in_cuda_ops_have_the_real_signatures(op):
 def test_cuda_kernel_code_with_stand_in_ops_is_exact(kernel_name, monkeypatch):
     """PrefixAndDiagonalsAttention on a CUDA kernel's code, its ops stood in for by the CPU's: output and
     gradients as the masked softmax's, to float64 rounding."""
-    from eagle3lib import model
+    from eagle3lib import ttt_attention
 
     for op in ("flash", "flash_backward", "efficient", "efficient_backward"):
-        monkeypatch.setattr(model.CudaAttentionOps, op, getattr(StandInCudaOps, op))
+        monkeypatch.setattr(ttt_attention.CudaAttentionOps, op, getattr(StandInCudaOps, op))
     StandInCudaOps.calls.clear()
     steps = 3
     q, *kv = [t.requires_grad_() for t in ttt_attention_inputs(steps, T=37)]  # lse padding: 37 -> 64 rows
     keys, values = kv[:steps], kv[steps:]
-    with model.forced_prefix_kernel(getattr(model, kernel_name)):
-        out = model.PrefixAndDiagonalsAttention.apply(q, keys[0], values[0], *keys[1:], *values[1:])
+    with ttt_attention.forced_prefix_kernel(getattr(ttt_attention, kernel_name)):
+        out = ttt_attention.PrefixAndDiagonalsAttention.apply(q, keys[0], values[0], *keys[1:], *values[1:])
         grad_out = torch.randn_like(out)
         grads = torch.autograd.grad(out, [q, *kv], grad_out)
     op = "flash" if kernel_name == "CUDA_FLASH_KERNEL" else "efficient"
@@ -592,24 +600,26 @@ ATTENTION_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 def test_fused_blocked_and_masked_attention_agree_on(device, dtype):
     """The TTT attention of step 3 on the device's fused kernel and on the blocked path, forward and backward,
     against the masked softmax in float64 (of the same rounded inputs)."""
-    from eagle3lib import model
+    from eagle3lib import ttt_attention
 
     steps = 4
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 8, 70, 16, generator=generator).to(device, dtype)  # 8 query heads over 2 key heads
     kv = [torch.randn(2, 2, 70, 16, generator=generator).to(device, dtype) for _ in range(2 * steps)]
     keys, values = kv[:steps], kv[steps:]
-    fused = model.prefix_attention_kernel(q, keys[0], values[0])
-    assert fused in model.FUSED_PREFIX_KERNELS[device]
+    fused = ttt_attention.prefix_attention_kernel(q, keys[0], values[0])
+    assert fused in ttt_attention.FUSED_PREFIX_KERNELS[device]
     reference, leaves = masked_attention_on_cpu(q, kv)
     grad_out = torch.randn(reference.shape, generator=generator, dtype=torch.float64)
     expected = [reference, *torch.autograd.grad(reference, leaves, grad_out)]
     names = ["out", "q", *(f"k{i}" for i in range(steps)), *(f"v{i}" for i in range(steps))]
-    for kernel in (fused, model.BLOCKED_KERNEL):
+    for kernel in (fused, ttt_attention.BLOCKED_KERNEL):
         inputs = [x.clone().requires_grad_() for x in (q, *kv)]
         q_, keys_, values_ = inputs[0], inputs[1 : 1 + steps], inputs[1 + steps :]
-        with model.forced_prefix_kernel(kernel):
-            out = model.PrefixAndDiagonalsAttention.apply(q_, keys_[0], values_[0], *keys_[1:], *values_[1:])
+        with ttt_attention.forced_prefix_kernel(kernel):
+            out = ttt_attention.PrefixAndDiagonalsAttention.apply(
+                q_, keys_[0], values_[0], *keys_[1:], *values_[1:]
+            )
             grads = torch.autograd.grad(out, inputs, grad_out.to(device, dtype))
         for name, got, want in zip(names, [out, *grads], expected, strict=True):
             assert got.dtype == dtype and got.device.type == device
@@ -640,7 +650,7 @@ def test_gpu_check_runs_its_training_step_code_on_the_cpu(monkeypatch, capsys):
     import argparse
     import sys
 
-    from eagle3lib.model import BLOCKED_KERNEL
+    from eagle3lib.ttt_attention import BLOCKED_KERNEL
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "bench"))
     import gpu_check
