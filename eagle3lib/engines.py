@@ -105,7 +105,8 @@ def probe_prompts(tokenizer, corpus: str, num_prompts: int, prompt_chars: int, c
 def target_replies(target, max_new_tokens: int, batch_size: int):
     """The target's own greedy replies (text, up to its end of turn) to prompts: what later turns of a
     multi-turn benchmark are asked on (builtin backend; None for engines, which give none)."""
-    from eagle3lib.speculate import batches_by_length, decode_target_only
+    from eagle3lib.probe import batches_by_length
+    from eagle3lib.speculate import decode_target_only
 
     if not hasattr(target, "model"):
         return None
@@ -173,12 +174,12 @@ def probe(
         raise ValueError("no drafter checkpoint given (probe.drafter is empty)")
     drafter = resolve_path(drafter)
     if backend == "builtin":
-        from eagle3lib import speculate
+        import eagle3lib.probe
         from eagle3lib.checkpoint import load_drafter
 
         model, report = load_drafter(drafter, dtype=target.dtype)
         model = model.to(target.device)
-        result = speculate.probe(
+        result = eagle3lib.probe.probe(
             target.model, model, prompts, settings, max_new_tokens, seed=seed, batch_size=batch_size,
             baseline=baseline, reuse=reuse,
         )

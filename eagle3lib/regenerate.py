@@ -114,7 +114,8 @@ class BuiltinEngine(Engine):
     def replies(self, requests: list[Request]) -> list[Reply]:
         import torch
 
-        from eagle3lib.speculate import batches_by_length, decode_target_only
+        from eagle3lib.probe import batches_by_length
+        from eagle3lib.speculate import decode_target_only
 
         found: dict[int, Reply] = {}
         prompts = [r.prompt_ids for r in requests]
