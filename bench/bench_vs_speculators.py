@@ -46,9 +46,8 @@ import torch.nn.functional as F
 from eagle3lib import train
 from eagle3lib.checkpoint import SGLANG_PREFIX, SPECULATORS_PREFIX, checkpoint_tensors
 from eagle3lib.config import to_speculators_dict
-from eagle3lib.data import TrainingData
 from eagle3lib.params import load_params
-from eagle3lib.trainer import Processes, Trainer
+from eagle3lib.trainer import Processes, Trainer, TrainingData
 from eagle3lib.vocab import VocabMap
 
 HIDDEN, VT, VD, AUX_IDS = 576, 49_152, 4_096, [1, 14, 26]

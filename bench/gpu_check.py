@@ -41,9 +41,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from eagle3lib import train, ttt_attention
 from eagle3lib.config import default_aux_layer_ids
-from eagle3lib.data import TrainingData
 from eagle3lib.params import load_params
-from eagle3lib.trainer import Processes, Trainer
+from eagle3lib.trainer import Processes, Trainer, TrainingData
 from eagle3lib.vocab import VocabMap
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -35,10 +35,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from eagle3lib import train, ttt_attention
 from eagle3lib.config import default_aux_layer_ids
-from eagle3lib.data import TrainingData
 from eagle3lib.loss import Targets, verifier_draft_logits, weighted_loss
 from eagle3lib.params import load_params
-from eagle3lib.trainer import Processes, Trainer
+from eagle3lib.trainer import Processes, Trainer, TrainingData
 from eagle3lib.vocab import VocabMap
 
 GIB = 2**30

@@ -26,8 +26,6 @@ from eagle3lib.data import (
     TOKEN_COUNTS_FILE,
     VOCAB_MAP_FILE,
     DataError,
-    DataReader,
-    collate,
     dtype_name,
     load_token_counts,
     prepared_dir,
@@ -35,6 +33,7 @@ from eagle3lib.data import (
 from eagle3lib.files import save_safetensors, shareable_tree, staging_path
 from eagle3lib.params import check_positive
 from eagle3lib.progress import progress as progress_bar
+from eagle3lib.readers import collate, open_reader
 from eagle3lib.regenerate import make_engine, regenerate, settings_from_data, source_description
 from eagle3lib.sources import (
     Sample,
@@ -397,7 +396,7 @@ def prepare_for_run(target, params: dict, which: str, run_dir: str | os.PathLike
     prepare(target, settings, folder, aux_layer_ids=params["target"]["aux_layer_ids"] or None,
             seed=params["run"]["seed"], corpus=corpus, work_dir=Path(run_dir) / REGENERATED_DIR / which)
     seconds = time.perf_counter() - start
-    reader = DataReader(folder, target)
+    reader = open_reader(folder, target)
     counts, argmax_counts = load_token_counts(folder)
     vocab_map = VocabMap.from_counts(counts, settings["draft_vocab_size"], target.vocab_size, str(folder))
     vocab_map.save(folder / VOCAB_MAP_FILE)

@@ -10,9 +10,10 @@ kept, in `<train out>/online_data/` (`train.data_mode: online`):
 A resumed or repeated run reuses the folder (a self-distilled text is generated once) after checking that
 the recipe still describes it.
 
-`OnlineReader` yields the batches `DataReader` yields from a capture of the same text: the text is cut into
-the shards `DataWriter` would write and read in the same seeded order, into the same windows; the target
-computes each batch's hidden states when the batch is asked for, only for this process's rows.
+`OnlineReader` (a `readers.BatchReader`) yields the batches `readers.FolderReader` yields from a capture of
+the same text: the text is cut into the shards `DataWriter` would write and read in the same seeded order,
+into the same windows; the target computes each batch's hidden states when the batch is asked for, only for
+this process's rows.
 """
 
 from __future__ import annotations
@@ -26,21 +27,12 @@ from torch import Tensor
 
 from eagle3lib import files
 from eagle3lib.capture import REGENERATED_DIR, capture_pools, parse_dtype, training_text
-from eagle3lib.data import (
-    TOKEN_COUNTS_FILE,
-    VOCAB_MAP_FILE,
-    DataError,
-    TrainingData,
-    collate,
-    reading_order,
-    shard_sizes,
-    training_vocab_map,
-    window,
-    window_plans,
-)
+from eagle3lib.data import TOKEN_COUNTS_FILE, VOCAB_MAP_FILE, DataError, training_vocab_map
 from eagle3lib.params import ONLINE_TEXT_KEYS
 from eagle3lib.progress import progress as progress_bar
+from eagle3lib.readers import BatchReader, collate, reading_order, shard_sizes, window, window_plans
 from eagle3lib.target import Target
+from eagle3lib.trainer import TrainingData
 from eagle3lib.vocab import VocabMap
 
 FORMAT = "eagle3lib-text"
@@ -100,12 +92,14 @@ def check_text(folder: Path, target: Target, data: dict, seed: int) -> dict:
     return manifest
 
 
-class OnlineReader:
-    """`DataReader`'s batches, with the hidden states computed by the target as each batch is asked for."""
+class OnlineReader(BatchReader):
+    """A capture's batches, with the hidden states computed by the target as each batch is asked for."""
+
+    format = FORMAT
 
     def __init__(self, folder: Path, target: Target, aux_layer_ids: list[int], dtype: torch.dtype,
                  manifest: dict):
-        self.path, self.target, self.aux_layer_ids, self.dtype = folder, target, aux_layer_ids, dtype
+        self.path, self.target, self.dtype = folder, target, dtype
         self.manifest = {**manifest, "aux_layer_ids": aux_layer_ids}
         text = files.read_safetensors(folder / TEXT_FILE, error=DataError)
         self.lengths = text["sample_lengths"].tolist()
@@ -129,7 +123,7 @@ class OnlineReader:
         self, batch_size: int, seq_len: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
         skip: int = 0, rows: slice | None = None,
     ) -> Iterator[dict[str, Tensor]]:
-        """As `DataReader.batches`; skipped batches and other processes' rows cost no target forward."""
+        """Skipped batches and other processes' rows cost no target forward."""
         first = [0, *torch.tensor(self.shards).cumsum(0).tolist()]
         order = ((self.lengths[first[s] + i], first[s] + i)
                  for s, indices in reading_order(self.shards, shuffle, seed) for i in indices)
@@ -160,9 +154,6 @@ class OnlineReader:
                 "last_hidden_state": captured.last_hidden_state[row, :n].to(self.dtype),
             })
         return samples
-
-    def __repr__(self) -> str:
-        return f"OnlineReader({str(self.path)!r}, target={self.target.name}, samples={self.num_samples})"
 
 
 def ensure_text(params: dict, out: Path, target: Target) -> dict:
@@ -195,4 +186,5 @@ def online_training_data(params: dict, out: Path, device: torch.device, main: bo
         vocab_size=target.vocab_size,
         aux_layer_ids=aux_layer_ids,
         target=target.name,
+        verifier=manifest["target"]["name"],
     )

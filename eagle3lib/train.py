@@ -47,18 +47,20 @@ import yaml
 from eagle3lib import files, runs
 from eagle3lib.checkpoint import load_drafter, save_drafter
 from eagle3lib.config import LAYOUT_READERS, DrafterConfig, read_config
-from eagle3lib.data import TrainingData, training_data
+from eagle3lib.data import DataError, prepared_dir, training_vocab_map
 from eagle3lib.loss import (
     chance_loss,
 )
 from eagle3lib.model import Eagle3Drafter
 from eagle3lib.online import ensure_text, online_training_data
 from eagle3lib.params import STAND_IN_DATA_KEYS, STAND_IN_TRAIN_KEYS, load_params, minimums
+from eagle3lib.readers import open_reader
 from eagle3lib.remap import MISSING_POLICIES, drafter_map, remap_drafter
 from eagle3lib.target import Target
 from eagle3lib.trainer import (
     Processes,
     Trainer,
+    TrainingData,
     TrainingError,
     micro_batches_per_rank,
 )
@@ -343,10 +345,9 @@ def train_arm(arm: str, params: dict, out: Path, data: TrainingData, procs: Proc
     start = time.perf_counter()
 
     drafter, init_report = init_drafter(arm, train, data, seed)
-    # the drafter's verifier is the target its data was captured from, as the data's manifest names it (a
-    # SpecForge or speculators dump names none: a warm start's own verifier is kept, with a note)
-    manifest = getattr(data.reader, "manifest", None) or {}  # a stand-in reader may have none
-    verifier = (manifest.get("target") or {}).get("name")
+    # the drafter's verifier is the target its data was captured from, as the data names it (a SpecForge or
+    # speculators dump names none: a warm start's own verifier is kept, with a note)
+    verifier = data.verifier
     if verifier:
         drafter.config.verifier = verifier
     speculators_copy = folder / "drafter-speculators"
@@ -440,7 +441,32 @@ def arms_data(params: dict, out: Path, run_dir: Path | None, procs: Processes) -
     """What every arm trains on: captured hidden states (offline), or the target in the loop (online)."""
     if params["train"]["data_mode"] == "online":
         return online_training_data(params, out, procs.device, procs.main, procs.barrier)
-    return training_data(params["train"], run_dir)
+    return offline_training_data(params["train"], run_dir)
+
+
+def offline_training_data(train: dict, run_dir: str | os.PathLike | None) -> TrainingData:
+    """The trainer's inputs from captured hidden states: `train.data` (else this run's 00_prepare_data) and
+    `train.vocab_map` (else that data folder's vocab map)."""
+    if train["data"]:
+        folder = files.resolve_path(train["data"])
+    elif run_dir is not None:
+        folder = prepared_dir(run_dir)
+    else:
+        raise DataError("train.data is empty and there is no run folder to take 00_prepare_data's data from")
+    # a SpecForge or speculators dump carries no target head and no aux ids: the recipe names them
+    head = files.resolve_path(train["target_head"]) if train["target_head"] else None
+    reader = open_reader(folder, head=head, aux_layer_ids=train["aux_layer_ids"] or None)
+    captured_from = (reader.manifest.get("target") or {}).get("name")
+    return TrainingData(
+        reader=reader,
+        vocab_map=training_vocab_map(train, folder, reader.vocab_size),
+        head=reader.head,
+        target_hidden_size=reader.hidden_size,
+        vocab_size=reader.vocab_size,
+        aux_layer_ids=list(reader.aux_layer_ids),
+        target=captured_from or str(folder),
+        verifier=captured_from,
+    )
 
 
 def stand_in_key(params: dict, target_fingerprint: str) -> str:
@@ -484,8 +510,6 @@ def train_stand_in(params: dict, run_dir: Path, target_fingerprint: str, cache: 
     `00_prepare_data/source/` data (`data.source_corpus`, with that corpus's own vocab map), with the
     `train` settings for `stand_in.steps` steps. Reruns with the same target, data and schedule reuse it.
     """
-    from eagle3lib.data import prepared_dir
-
     cached = stand_in_path(params, target_fingerprint, cache)
     if cached.exists():
         return cached

@@ -293,7 +293,7 @@ def conversation_file(tmp_path, n=24):
 @pytest.mark.parametrize("text", ["conversation", "regenerate"])
 def test_prepare_reads_conversations_and_reports_what_it_read(tmp_path, text):
     from eagle3lib.capture import REGENERATED_DIR, prepare_for_run
-    from eagle3lib.data import DataReader
+    from eagle3lib.readers import open_reader
     from eagle3lib.target import Target
 
     path = conversation_file(tmp_path)
@@ -319,7 +319,7 @@ def test_prepare_reads_conversations_and_reports_what_it_read(tmp_path, text):
     target = Target.load("zoo:tiny-llama", dtype="float32", device="cpu")
     found = prepare_for_run(target, params, "main", tmp_path / "run")
     assert found["conversations"]["read"] >= 1 and found["conversations"]["skipped"] == {}
-    reader = DataReader(tmp_path / "run" / "00_prepare_data", target)
+    reader = open_reader(tmp_path / "run" / "00_prepare_data", target)
     train_ids = {c.id for c in sources.split_conversations(str(path), "train", 0.2)}
     renderer = ChatRenderer(target.tokenizer, target.stop_token_ids)
     samples = list(reader.samples())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3lib import data
+from eagle3lib import data, readers
 from eagle3lib.params import load_params
 from eagle3lib.vocab import VocabMap
 from tests.notebook_harness import run_notebook
@@ -23,7 +23,7 @@ def test_prepare_data_notebook(tmp_path, monkeypatch):
         found = metrics[which]
         assert found["corpus"] == corpus and found["folder"] == str(folder)
         assert found["tokens"] >= params["data"]["num_tokens"]
-        reader = data.DataReader(folder)
+        reader = readers.open_reader(folder)
         assert reader.manifest["num_tokens"] == found["tokens"]
         assert reader.manifest["provenance"]["corpus"] == corpus
         vocab_map = VocabMap.load(folder / "vocab_map.safetensors", vt=49152)

@@ -17,13 +17,20 @@ import re
 import pytest
 import torch
 
-from eagle3lib import data, loss, publish, runs, train, trainer
+from eagle3lib import loss, publish, runs, train, trainer
 from eagle3lib.capture import DataWriter
 from eagle3lib.checkpoint import load_drafter, save_drafter
 from eagle3lib.config import EngineMismatchError
-from eagle3lib.data import TrainingData
 from eagle3lib.params import DEFAULTS, load_params
-from eagle3lib.trainer import STATE_FILE, BatchStream, Processes, Trainer, TrainingDiverged, TrainingError
+from eagle3lib.trainer import (
+    STATE_FILE,
+    BatchStream,
+    Processes,
+    Trainer,
+    TrainingData,
+    TrainingDiverged,
+    TrainingError,
+)
 from eagle3lib.vocab import VocabMap, load_counts
 
 VT, VD, H, A, T = 128, 64, 32, 3, 16
@@ -74,8 +81,8 @@ def data_folder(tmp_path_factory) -> dict:
 
 
 def synthetic_data(folders: dict) -> TrainingData:
-    train = {**DEFAULTS["train"], "data": folders["data"], "vocab_map": folders["vocab_map"]}
-    return data.training_data(train, None)
+    settings = {**DEFAULTS["train"], "data": folders["data"], "vocab_map": folders["vocab_map"]}
+    return train.offline_training_data(settings, None)
 
 
 def tiny_params(folders: dict, **train_overrides) -> dict:
