@@ -1,4 +1,5 @@
-"""Read, check and write EAGLE-3 drafter checkpoints in the SGLang and speculators layouts (FORMATS.md §2).
+"""Read, check and write EAGLE-3 drafter checkpoints in the SGLang and speculators layouts
+(docs/formats.md §2).
 
 `load_drafter(path, strict=True)` reads a folder (config.json + weights) and returns the drafter with a
 `LoadReport` that accounts for every tensor in the files:
@@ -27,9 +28,6 @@ layout save carries the token embedding (the drafter's own or the attached targe
 saves it: speculators loads a checkpoint without one with a NaN embedding and no warning. `convert` and
 `save_drafter(..., engines=...)` refuse an export that a project reading that layout would compute
 differently (`DrafterConfig.engine_mismatches`), unless `allow_engine_mismatch`.
-
-It runs past 600 lines: both layouts, SpecForge training states and the engines' faithfulness checks
-share one strict load report, so they stay in one place.
 """
 
 from __future__ import annotations
@@ -629,7 +627,8 @@ def format_inspection(info: dict) -> str:
 
 def engine_faithfulness(config: DrafterConfig, layout: str) -> dict[str, list[str]]:
     """For each project that reads `layout`, why it computes this checkpoint differently (empty: faithful).
-    An SGLang-layout config's aux ids are not read by vLLM, which then takes its defaults (FORMATS.md §2)."""
+    An SGLang-layout config's aux ids are not read by vLLM, which then takes its defaults
+    (docs/formats.md §2)."""
     mismatches = config.engine_mismatches()
     engines = {engine: list(mismatches[engine]) for engine in LAYOUT_READERS[layout]}
     if layout == "sglang" and config.aux_layer_ids is not None:

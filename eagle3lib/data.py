@@ -1,4 +1,4 @@
-"""Hidden-state data folders: their format, and where a run keeps them (docs/data.md).
+"""Hidden-state data folders: their format, and where a run keeps them (docs/data.md §3).
 
 A data folder holds
 - `shard_NNNNN.safetensors`: samples concatenated along the token axis, unshifted (row t is position t):

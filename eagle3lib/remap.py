@@ -1,7 +1,7 @@
 """Move a drafter to a new vocab map: every `lm_head` row goes to its token's new draft position.
 
 Why only `lm_head`: row j of `lm_head.weight` [Vd, H] scores draft token j, i.e. target token
-`j + d2t[j]`, so its meaning is tied to the map. Everything else is not (FORMATS.md §3): `fc`, the
+`j + d2t[j]`, so its meaning is tied to the map. Everything else is not (docs/formats.md §3): `fc`, the
 decoder layer and the norms read hidden states, and `embed_tokens` [Vt, H] is indexed by *target*
 token id (the drafter embeds the target's tokens), so its rows already sit at their tokens'
 positions under any map. Moving them would corrupt it; it is kept as it is. (The issue's "embed_tokens

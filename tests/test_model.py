@@ -60,7 +60,7 @@ def fixture_drafter(name: str) -> tuple[Eagle3Drafter, dict]:
     return drafter.eval(), load_file(FIXTURES / f"{name}_reference.safetensors")
 
 
-# ------------------------------------------------------------------------ plain reference (FORMATS.md §1)
+# ------------------------------------------------------------------ plain reference (docs/formats.md §1)
 
 
 def reference_forward(drafter: Eagle3Drafter, input_ids, aux, position_ids) -> torch.Tensor:

@@ -97,7 +97,7 @@ def tiny_params(folders: dict, **train_overrides) -> dict:
 
 
 def reference_sums(logits: torch.Tensor, batch: dict, head: torch.Tensor, vocab_map: VocabMap):
-    """The TTT sums written out row by row from the alignment in FORMATS.md §1/§5."""
+    """The TTT sums written out row by row from the alignment in docs/formats.md §1 and §5."""
     K, B, R, _ = logits.shape
     verifier = batch["last_hidden_state"] @ head[vocab_map.draft_ids].T
     sums = torch.zeros(5, K, dtype=torch.float64)
