@@ -18,9 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagle3lib import runs, train
+from eagle3lib import train
 from eagle3lib.capture import prepare_for_run
 from eagle3lib.online import FOLDER
+from eagle3lib.params import load_params
 from eagle3lib.target import Target
 
 
@@ -29,7 +30,7 @@ def folder_megabytes(path: Path) -> float:
 
 
 def recipe(mode: str, args: argparse.Namespace) -> dict:
-    return runs.load_params(None, {
+    return load_params(None, {
         "run": {"device": "cpu"},
         "target": {"spec": "zoo:smollm2-135m-instruct", "dtype": args.target_dtype},
         "data": {"corpus": "stdlib-code", "num_tokens": args.tokens, "text": "raw", "seq_len": 512,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3lib import engines, publish, speculate
+from eagle3lib import engines, probe, publish, speculate
 from eagle3lib.checkpoint import load_drafter
 from eagle3lib.target import Target
 
@@ -68,7 +68,7 @@ def main() -> None:
         baseline = None
         for steps in (int(k) for k in args.steps.split(",")):
             settings = speculate.DraftSettings(steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens)
-            result = speculate.probe(target.model, drafter, prompts, settings, args.max_new_tokens,
+            result = probe.probe(target.model, drafter, prompts, settings, args.max_new_tokens,
                                      batch_size=batch, baseline=baseline, reuse=reuse)
             m, baseline = result.metrics, result.baseline
             if batch == 1:

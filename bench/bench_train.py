@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from eagle3lib import runs, train
-from eagle3lib.data import TrainingData
+from eagle3lib import train
 from eagle3lib.loss import Targets, drafter_rows, ttt_sums
-from eagle3lib.trainer import Processes, Trainer
+from eagle3lib.params import load_params
+from eagle3lib.trainer import Processes, Trainer, TrainingData
 from eagle3lib.vocab import VocabMap
 
 HIDDEN, VT, VD, AUX = 576, 49_152, 4_096, 3
@@ -33,7 +33,7 @@ SIZES = {"num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "in
 
 
 class RandomBatches:
-    """The DataReader interface: a few random batches of the data folder's format, made once, repeated
+    """A `readers.BatchReader` stand-in: a few random batches of the data folder's format, made once, repeated
     (making them costs a full-vocab matmul each, which is not what this measures)."""
 
     def __init__(self, vocab_map: VocabMap, head: torch.Tensor, distinct: int = 2):
@@ -102,7 +102,7 @@ def main() -> None:
     vocab_map = VocabMap.from_counts(counts, VD, VT)
     data = TrainingData(RandomBatches(vocab_map, head["lm_head.weight"]), vocab_map, head, HIDDEN, VT,
                               [1, 14, 26], "random SmolLM2-sized data")
-    params = runs.load_params(None, {
+    params = load_params(None, {
         "run": {"device": args.device},
         "train": {"steps": 2 * args.steps, "log_every": args.steps, "batch_size": args.batch_size,
                   "micro_batch_size": args.batch_size, "seq_len": args.seq_len, "ttt_steps": args.ttt_steps,

@@ -43,11 +43,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from eagle3lib import runs, train
+from eagle3lib import train
 from eagle3lib.checkpoint import SGLANG_PREFIX, SPECULATORS_PREFIX, checkpoint_tensors
 from eagle3lib.config import to_speculators_dict
-from eagle3lib.data import TrainingData
-from eagle3lib.trainer import Processes, Trainer
+from eagle3lib.params import load_params
+from eagle3lib.trainer import Processes, Trainer, TrainingData
 from eagle3lib.vocab import VocabMap
 
 HIDDEN, VT, VD, AUX_IDS = 576, 49_152, 4_096, [1, 14, 26]
@@ -88,7 +88,7 @@ def random_target(rows: int, seed: int = 0) -> tuple[VocabMap, dict[str, torch.T
 def eagle3lib_trainer(rows: int, ttt_steps: int, vocab_map: VocabMap, head: dict) -> Trainer:
     """eagle3lib's Trainer on a fresh scratch drafter, configured as speculators trains."""
     data = TrainingData(None, vocab_map, head, HIDDEN, VT, AUX_IDS, "random SmolLM2-sized target")
-    params = runs.load_params(None, {
+    params = load_params(None, {
         "run": {"device": "cpu"},
         "train": {"ttt_steps": ttt_steps, "seq_len": rows + 1, "batch_size": 1, "micro_batch_size": 1,
                   "dtype": "fp32", "train_lm_head": False, "step_decay": 1.0, "max_grad_norm": MAX_GRAD_NORM,

@@ -39,10 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from eagle3lib import model, runs, train
+from eagle3lib import train, ttt_attention
 from eagle3lib.config import default_aux_layer_ids
-from eagle3lib.data import TrainingData
-from eagle3lib.trainer import Processes, Trainer
+from eagle3lib.params import load_params
+from eagle3lib.trainer import Processes, Trainer, TrainingData
 from eagle3lib.vocab import VocabMap
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,11 +99,11 @@ def shape_args(args: argparse.Namespace) -> argparse.Namespace:
                               dtype="bf16", data_dtype="bfloat16", train_lm_head=False)
 
 
-def predicted_peak(shape: argparse.Namespace, kernel: model.PrefixAttentionKernel | None) -> int:
+def predicted_peak(shape: argparse.Namespace, kernel: ttt_attention.PrefixAttentionKernel | None) -> int:
     """Bytes memory_plan traces for a step after the first: held tensors + the step's peak. `kernel` None: the
     CPU's fused kernel on fake tensors, whose outputs are the CUDA kernels' (out and a float32 lse)."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    forced = model.forced_prefix_kernel(kernel) if kernel else contextlib.nullcontext()
+    forced = ttt_attention.forced_prefix_kernel(kernel) if kernel else contextlib.nullcontext()
     trainer, head, batch = memory_plan.build_trainer(shape, fake)
     with fake, forced:
         tracker, _ = memory_plan.trace_steps(trainer, head, batch, shape)
@@ -125,7 +125,7 @@ def build_on_device(shape: argparse.Namespace, device: torch.device, seed: int =
     sizes = {"num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
              "head_dim": shape.head_dim, "intermediate_size": shape.intermediate, "rms_norm_eps": 1e-6,
              "rope_theta": 1e6, "max_position_embeddings": 262_144}
-    t = runs.load_params(None, {"run": {"device": device.type}, "train": {
+    t = load_params(None, {"run": {"device": device.type}, "train": {
         "seq_len": T, "ttt_steps": shape.ttt_steps, "micro_batch_size": 1, "batch_size": 1, "dtype": "bf16",
         "train_lm_head": False, "checkpoint_every": 0, "scratch": sizes}})["train"]
     aux_ids = default_aux_layer_ids(61)
@@ -149,16 +149,16 @@ def build_on_device(shape: argparse.Namespace, device: torch.device, seed: int =
     return trainer, head, batch, pre_norm
 
 
-def forced(kernel: model.PrefixAttentionKernel | None):
+def forced(kernel: ttt_attention.PrefixAttentionKernel | None):
     """The path `kernel` names (None: the device's own choice, its fused kernel)."""
-    return model.forced_prefix_kernel(kernel) if kernel else contextlib.nullcontext()
+    return ttt_attention.forced_prefix_kernel(kernel) if kernel else contextlib.nullcontext()
 
 
 def compare_paths(trainer: Trainer, batch: dict, checks: Checks) -> None:
     """Forward and backward of one batch from the same weights (no optimizer step in between) on the fused
     and on the blocked path: the same loss per TTT step and gradient norm."""
     first = {}
-    for name, kernel in (("fused", None), ("blocked", model.BLOCKED_KERNEL)):
+    for name, kernel in (("fused", None), ("blocked", ttt_attention.BLOCKED_KERNEL)):
         with forced(kernel):
             sums, grad_norm, _ = trainer._optimizer_step(batch)
         trainer.optimizer.zero_grad(set_to_none=True)
@@ -193,13 +193,13 @@ def training_step(args: argparse.Namespace, device: torch.device, checks: Checks
     print(f"\n2. training step: Kimi-K2.5-shaped drafter (H {shape.hidden:,}, {shape.heads}/{shape.kv_heads} "
           f"heads x {shape.head_dim}, interm. {shape.intermediate:,}, Vt {shape.vt:,}, Vd {shape.vd:,}), "
           f"1 x T {shape.seq_len:,}, {shape.ttt_steps} TTT steps, bf16 autocast, lm_head frozen", flush=True)
-    kernels = {"fused": None, "blocked": model.BLOCKED_KERNEL}
+    kernels = {"fused": None, "blocked": ttt_attention.BLOCKED_KERNEL}
     with checks.running("memory plan (bench/memory_plan.py)"):
         predicted = {name: predicted_peak(shape, kernel) for name, kernel in kernels.items()}
     trainer, head, batch, pre_norm = build_on_device(shape, device)
     q = torch.empty(1, shape.heads, shape.seq_len, shape.head_dim, device=device, dtype=torch.bfloat16)
     kv = torch.empty(1, shape.kv_heads, shape.seq_len, shape.head_dim, device=device, dtype=torch.bfloat16)
-    print(f"  fused kernel for these inputs: {model.prefix_attention_kernel(q, kv, kv).name}")
+    print(f"  fused kernel for these inputs: {ttt_attention.prefix_attention_kernel(q, kv, kv).name}")
     with checks.running("fused vs blocked training step"):
         compare_paths(trainer, batch, checks)
     results, tokens = {}, int(batch["attention_mask"].sum())

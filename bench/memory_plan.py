@@ -33,11 +33,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from eagle3lib import model, runs, train
+from eagle3lib import train, ttt_attention
 from eagle3lib.config import default_aux_layer_ids
-from eagle3lib.data import TrainingData
 from eagle3lib.loss import Targets, verifier_draft_logits, weighted_loss
-from eagle3lib.trainer import Processes, Trainer
+from eagle3lib.params import load_params
+from eagle3lib.trainer import Processes, Trainer, TrainingData
 from eagle3lib.vocab import VocabMap
 
 GIB = 2**30
@@ -138,7 +138,7 @@ def build_trainer(args: argparse.Namespace, fake: FakeTensorMode) -> tuple[Train
         "batch_size": args.micro_batch, "dtype": args.dtype, "checkpoint_every": 0, "scratch": sizes}}
     if args.train_lm_head is not None:
         overrides["train"]["train_lm_head"] = args.train_lm_head
-    t = runs.load_params(None, overrides)["train"]
+    t = load_params(None, overrides)["train"]
     B, T, H, data_dtype = t["micro_batch_size"], t["seq_len"], args.hidden, getattr(torch, args.data_dtype)
     # a real vocab map (its tensors are small): every (Vt // Vd)-th target id is a draft token
     vocab_map = VocabMap.from_ids(torch.arange(args.vd) * (args.vt // args.vd), args.vt)
@@ -304,8 +304,8 @@ def main() -> None:
     if args.train_lm_head is not None:
         args.train_lm_head = args.train_lm_head == "true"
     if args.attention == "blocks":  # fake tensors are CPU tensors; a GPU run takes the blocked path
-        model.causal_attention_with_lse = model.BlockedCausalAttention.forward
-        model.causal_attention_backward = model.BlockedCausalAttention.backward
+        ttt_attention.causal_attention_with_lse = ttt_attention.BlockedCausalAttention.forward
+        ttt_attention.causal_attention_backward = ttt_attention.BlockedCausalAttention.backward
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     trainer, head, batch = build_trainer(args, fake)
     with fake:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3lib import engines, publish, speculate
+from eagle3lib import engines, probe, publish, speculate
 from eagle3lib.checkpoint import load_drafter
 from eagle3lib.target import Target
 
@@ -58,7 +58,7 @@ def main() -> int:
 
     start = time.perf_counter()
     model, report = load_drafter(drafter, dtype=target.dtype)
-    builtin = speculate.probe(
+    builtin = probe.probe(
         target.model, model, prompts, settings, args.max_new_tokens, compare_target=False
     )
     print(f"builtin: τ {builtin.metrics['tau']:.3f} in {time.perf_counter() - start:.0f} s", flush=True)

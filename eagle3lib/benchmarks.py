@@ -22,7 +22,7 @@ from pathlib import Path
 
 from eagle3lib import zoo
 from eagle3lib.data import DataError
-from eagle3lib.runs import resolve_path
+from eagle3lib.files import resolve_path
 from eagle3lib.sources import INSTRUCTIONS, corpus_kind, split_conversations
 
 PROMPT_KEYS = ("prompt", "turns")

@@ -22,17 +22,19 @@ from eagle3lib.data import (
     FORMAT_VERSION,
     HEAD_KEYS,
     LAST_HIDDEN,
+    TARGET_HEAD_FILE,
+    TOKEN_COUNTS_FILE,
     VOCAB_MAP_FILE,
     DataError,
-    DataReader,
-    collate,
     dtype_name,
     load_token_counts,
     prepared_dir,
 )
+from eagle3lib.files import save_safetensors, shareable_tree, staging_path
+from eagle3lib.params import check_positive
 from eagle3lib.progress import progress as progress_bar
+from eagle3lib.readers import collate, open_reader
 from eagle3lib.regenerate import make_engine, regenerate, settings_from_data, source_description
-from eagle3lib.runs import check_positive, save_safetensors, shareable_tree, staging_path
 from eagle3lib.sources import (
     Sample,
     check_text_kind,
@@ -88,7 +90,7 @@ class DataWriter:
         self._tmp = staging_path(self.path, folder=True)
         save_safetensors(
             {k: head[k].detach().contiguous().cpu() for k in HEAD_KEYS},
-            self._tmp / "target_head.safetensors",
+            self._tmp / TARGET_HEAD_FILE,
             metadata={
                 "target": target["name"],
                 "fingerprint": target["fingerprint"],
@@ -169,7 +171,7 @@ class DataWriter:
             raise DataError(f"{self.path}: no samples were written")
         save_safetensors(
             {"counts": self.counts, "argmax_counts": self.argmax_counts},
-            self._tmp / "token_counts.safetensors",
+            self._tmp / TOKEN_COUNTS_FILE,
         )
         manifest = {
             "format": FORMAT,
@@ -370,8 +372,7 @@ def check_prepare_settings(params: dict, vocab_size: int | None = None) -> None:
     if settings["text"] == "regenerate":
         settings_from_data(settings, params["run"]["seed"]).check()
     parse_dtype(settings["dtype"], "data.dtype")
-    check_positive("data", settings, ("num_tokens", "seq_len", "batch_size", "shard_tokens", "max_new_tokens",
-                                      "prompt_chars", "draft_vocab_size"))
+    check_positive("data", settings)
     if not 0 <= settings["heldout_fraction"] < 1:
         raise DataError(f"data.heldout_fraction must lie in [0, 1), got {settings['heldout_fraction']}")
     spec = params["target"]["spec"]
@@ -395,7 +396,7 @@ def prepare_for_run(target, params: dict, which: str, run_dir: str | os.PathLike
     prepare(target, settings, folder, aux_layer_ids=params["target"]["aux_layer_ids"] or None,
             seed=params["run"]["seed"], corpus=corpus, work_dir=Path(run_dir) / REGENERATED_DIR / which)
     seconds = time.perf_counter() - start
-    reader = DataReader(folder, target)
+    reader = open_reader(folder, target)
     counts, argmax_counts = load_token_counts(folder)
     vocab_map = VocabMap.from_counts(counts, settings["draft_vocab_size"], target.vocab_size, str(folder))
     vocab_map.save(folder / VOCAB_MAP_FILE)

@@ -1,4 +1,5 @@
-"""Read, check and write EAGLE-3 drafter checkpoints in the SGLang and speculators layouts (FORMATS.md §2).
+"""Read, check and write EAGLE-3 drafter checkpoints in the SGLang and speculators layouts
+(docs/formats.md §2).
 
 `load_drafter(path, strict=True)` reads a folder (config.json + weights) and returns the drafter with a
 `LoadReport` that accounts for every tensor in the files:
@@ -27,9 +28,6 @@ layout save carries the token embedding (the drafter's own or the attached targe
 saves it: speculators loads a checkpoint without one with a NaN embedding and no warning. `convert` and
 `save_drafter(..., engines=...)` refuse an export that a project reading that layout would compute
 differently (`DrafterConfig.engine_mismatches`), unless `allow_engine_mismatch`.
-
-It runs past 600 lines: both layouts, SpecForge training states and the engines' faithfulness checks
-share one strict load report, so they stay in one place.
 """
 
 from __future__ import annotations
@@ -43,7 +41,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from eagle3lib.config import (
     LAYOUT_READERS,
@@ -53,8 +50,15 @@ from eagle3lib.config import (
     read_config,
     write_config,
 )
+from eagle3lib.files import (
+    atomic_write_text,
+    describe_occupant,
+    load_weights_only,
+    read_safetensors,
+    save_safetensors,
+    staged_folder,
+)
 from eagle3lib.model import Eagle3Drafter
-from eagle3lib.runs import atomic_write_text, describe_occupant, save_safetensors, staged_folder
 from eagle3lib.vocab import VocabMap
 
 VOCAB_MAP_KEYS = ("d2t", "t2d")
@@ -171,26 +175,15 @@ def read_tensors(file: Path) -> tuple[dict[str, torch.Tensor], list[str], list[s
     if name.endswith(".index.json"):
         return _read_index(file)
     if name.endswith(".safetensors"):
-        return _read_safetensors(file), [name], []
+        return read_safetensors(file, error=CheckpointError), [name], []
     if name == "training_state.pt":
         return _read_training_state(file)
     return _read_torch_state_dict(file), [name], []
 
 
-def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
-    try:
-        with safe_open(str(file), framework="pt") as handle:
-            return {key: handle.get_tensor(key) for key in handle.keys()}
-    except Exception as err:  # safetensors raises its own error types for corrupt headers and data
-        raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from err
-
-
 def _torch_load(file: Path) -> object:
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):  # SpecForge pickles its CLI args
-            return torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as err:  # corrupt zip, truncated pickle, or objects weights_only refuses
-        raise CheckpointError(f"{file}: not readable as a weights-only torch file ({err})") from err
+    # SpecForge pickles its command-line arguments into its training states
+    return load_weights_only(file, CheckpointError, allow=(argparse.Namespace,))
 
 
 def _tensor_dict(value: object) -> dict[str, torch.Tensor] | None:
@@ -221,7 +214,7 @@ def _read_index(file: Path) -> tuple[dict[str, torch.Tensor], list[str], list[st
         if not shard_file.is_file():
             raise CheckpointError(f"{file}: shard {shard} is listed but {shard_file} does not exist")
         if shard.endswith(".safetensors"):
-            shard_tensors = _read_safetensors(shard_file)
+            shard_tensors = read_safetensors(shard_file, error=CheckpointError)
         else:
             shard_tensors = _read_torch_state_dict(shard_file)
         for key, tensor in shard_tensors.items():
@@ -634,7 +627,8 @@ def format_inspection(info: dict) -> str:
 
 def engine_faithfulness(config: DrafterConfig, layout: str) -> dict[str, list[str]]:
     """For each project that reads `layout`, why it computes this checkpoint differently (empty: faithful).
-    An SGLang-layout config's aux ids are not read by vLLM, which then takes its defaults (FORMATS.md §2)."""
+    An SGLang-layout config's aux ids are not read by vLLM, which then takes its defaults
+    (docs/formats.md §2)."""
     mismatches = config.engine_mismatches()
     engines = {engine: list(mismatches[engine]) for engine in LAYOUT_READERS[layout]}
     if layout == "sglang" and config.aux_layer_ids is not None:

@@ -36,15 +36,15 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
 def check_notebook_settings(params: dict, notebooks: list[str]) -> None:
     """Refuse, naming each notebook and key, any setting one of `notebooks` (e.g. "04_finetune") would refuse
     itself, perhaps hours into a run; each check is the one that notebook's step runs when it starts."""
-    from eagle3lib import capture, engines, evaluate, remap, train
-    from eagle3lib.runs import ParamsError
+    from eagle3lib import capture, engines, evaluate, remap, runs, train
+    from eagle3lib.params import ParamsError
 
     checks = {
-        "00_prepare_data": [capture.check_prepare_settings, train.check_stand_in_settings],
-        "01_probe_drafter": [engines.check_probe_settings],
-        "03_remap_lm_head": [remap.check_remap_settings],
-        "04_finetune": [lambda params: train.check_settings(params["train"])],
-        "05_evaluate": [evaluate.check_evaluate_settings],
+        runs.PREPARE_DATA: [capture.check_prepare_settings, train.check_stand_in_settings],
+        runs.PROBE_DRAFTER: [engines.check_probe_settings],
+        runs.REMAP_LM_HEAD: [remap.check_remap_settings],
+        runs.FINETUNE: [lambda params: train.check_settings(params["train"])],
+        runs.EVALUATE: [evaluate.check_evaluate_settings],
     }
     problems = []
     for notebook in notebooks:
@@ -60,11 +60,12 @@ def check_notebook_settings(params: dict, notebooks: list[str]) -> None:
 @command("run", "execute the numbered notebooks with papermill into outputs/<run>/", _run_arguments)
 def _run(args: argparse.Namespace) -> int:
     from eagle3lib import report, runs
+    from eagle3lib.params import load_params
 
     overrides = list(args.param)
     if args.name:
         overrides.append(f"run.name={args.name}")
-    params = runs.load_params(args.params, overrides)
+    params = load_params(args.params, overrides)
     run_dir = runs.OUTPUTS_DIR / params["run"]["name"]
     only = args.only.split(",") if args.only else None
     # every selected notebook's settings, before the first starts
@@ -149,10 +150,12 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
          "train.nproc > 1)", _train_arguments)
 def _train(args: argparse.Namespace) -> int:
     from eagle3lib import runs, train
+    from eagle3lib.params import load_params
 
     params, out, run_dir = train.recipe_for_training(args.params, args.param, args.out, args.run_dir)
     # as `eagle3 run` does for its notebooks: what trained these arms, for `eagle3 publish`
-    runs.record_provenance(runs.Run.open(run_dir, runs.load_params(args.params, args.param)), ["04_finetune"])
+    run = runs.Run.open(run_dir, load_params(args.params, args.param))
+    runs.record_provenance(run, [runs.FINETUNE])
     results = train.train_arms(params, out, run_dir=run_dir, resume=args.resume)
     print(f"eagle3 train: {train.findings(results)}")
     for arm, result in results.items():
@@ -269,11 +272,11 @@ def _convert(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from eagle3lib import checkpoint
-    from eagle3lib.remap import load_target_head
+    from eagle3lib.data import load_target_head
 
     embedding = verifier = None
     if args.target:
-        embedding = load_target_head(args.target)["embed_tokens.weight"]
+        embedding = load_target_head(args.target, ("embed_tokens.weight",))[0]["embed_tokens.weight"]
         if (Path(args.target) / "config.json").is_file():  # a model folder, not only its head
             verifier = str(Path(args.target).resolve())
     try:
@@ -525,7 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from eagle3lib.runs import ParamsError, RunExistsError
+    from eagle3lib.params import ParamsError
+    from eagle3lib.runs import RunExistsError
 
     try:
         code = args.handler(args) or 0

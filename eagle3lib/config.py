@@ -1,6 +1,6 @@
 """`DrafterConfig`: one description of an EAGLE-3 drafter, read from and written to each layout's config.json.
 
-Two layouts exist (FORMATS.md §2):
+Two layouts exist (docs/formats.md §2):
 - SGLang / SpecForge / EAGLE / AQ-MedAI: a flat Llama config, `architectures: ["LlamaForCausalLMEagle3"]`,
   aux ids under `eagle_config`.
 - speculators (vLLM's training library): `speculators_model_type: "eagle3"`, the decoder layer's settings
@@ -17,7 +17,8 @@ key as False, so an SGLang-layout config without the key means False; vLLM's spe
 fills in True (the speculators class itself defaults to False), and vLLM is what serves that layout, so a
 speculators-layout config without the key means True. Either assumption is reported as a note.
 
-`norm_output` means different things per project (FORMATS.md §2), so eagle3lib keeps two flags of its own:
+`norm_output` means different things per project (docs/formats.md §2), so eagle3lib keeps two flags of its
+own:
 - `norm_before_lm_head`: logits = lm_head(norm(out)) rather than lm_head(out). SpecForge's `norm_output`
   (default true) is this flag; SGLang, vLLM and speculators always apply the norm.
 - `feed_normed_hidden` (EAGLE-3.1): the state fed to the next draft step is norm(out), not out. speculators',
@@ -37,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3lib.runs import atomic_write_text
+from eagle3lib.files import atomic_write_text
 
 SGLANG_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 SPECULATORS_ARCHITECTURES = ("Eagle3DraftModel", "Eagle3Speculator")
@@ -203,7 +204,7 @@ class DrafterConfig:
 
     def engine_mismatches(self) -> dict[str, list[str]]:
         """For each project (SGLang, vLLM, SpecForge, speculators), why it would compute another function
-        than this drafter's, read from its code (FORMATS.md §2); an empty list means it is faithful."""
+        than this drafter's, read from its code (docs/formats.md §2); an empty list means it is faithful."""
         reasons: dict[str, list[str]] = {"SGLang": [], "vLLM": [], "SpecForge": [], "speculators": []}
         if self.num_aux_layers != ENGINE_AUX_LAYERS:
             for engine in ("SGLang", "vLLM", "SpecForge"):

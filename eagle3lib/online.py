@@ -10,44 +10,34 @@ kept, in `<train out>/online_data/` (`train.data_mode: online`):
 A resumed or repeated run reuses the folder (a self-distilled text is generated once) after checking that
 the recipe still describes it.
 
-`OnlineReader` yields the batches `DataReader` yields from a capture of the same text: the text is cut into
-the shards `DataWriter` would write and read in the same seeded order, into the same windows; the target
-computes each batch's hidden states when the batch is asked for, only for this process's rows.
+`OnlineReader` (a `readers.BatchReader`) yields the batches `readers.FolderReader` yields from a capture of
+the same text: the text is cut into the shards `DataWriter` would write and read in the same seeded order,
+into the same windows; the target computes each batch's hidden states when the batch is asked for, only for
+this process's rows.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from eagle3lib import runs
+from eagle3lib import files
 from eagle3lib.capture import REGENERATED_DIR, capture_pools, parse_dtype, training_text
-from eagle3lib.data import (
-    VOCAB_MAP_FILE,
-    DataError,
-    TrainingData,
-    collate,
-    load_tensors,
-    reading_order,
-    shard_sizes,
-    window,
-    window_plans,
-)
+from eagle3lib.data import TOKEN_COUNTS_FILE, VOCAB_MAP_FILE, DataError, training_vocab_map
+from eagle3lib.params import ONLINE_TEXT_KEYS
 from eagle3lib.progress import progress as progress_bar
+from eagle3lib.readers import BatchReader, collate, reading_order, shard_sizes, window, window_plans
 from eagle3lib.target import Target
+from eagle3lib.trainer import TrainingData
 from eagle3lib.vocab import VocabMap
 
 FORMAT = "eagle3lib-text"
 FOLDER = "online_data"
 TEXT_FILE = "text.safetensors"
-# the data settings that decide the text (and so the batches) of an online run
-TEXT_SETTINGS = ("corpus", "num_tokens", "text", "loss_turns", "max_new_tokens", "regenerate", "prompt_chars",
-                 "seq_len", "batch_size", "shard_tokens", "heldout_fraction", "draft_vocab_size")
 
 
 def make_text(target: Target, data: dict, seed: int, folder: Path) -> Path:
@@ -67,17 +57,17 @@ def make_text(target: Target, data: dict, seed: int, folder: Path) -> Path:
         "format": FORMAT,
         "target": target.describe(),
         "seed": seed,
-        "settings": {key: data[key] for key in TEXT_SETTINGS},
+        "settings": {key: data[key] for key in ONLINE_TEXT_KEYS},
         "provenance": provenance,
         "num_samples": len(kept),
         "num_tokens": len(input_ids),
         "num_loss_tokens": int(loss_mask.sum()),
     }
-    with runs.staged_folder(folder) as staging:
-        runs.save_safetensors({"input_ids": input_ids, "loss_mask": loss_mask,
+    with files.staged_folder(folder) as staging:
+        files.save_safetensors({"input_ids": input_ids, "loss_mask": loss_mask,
                                "sample_lengths": torch.tensor([len(s.input_ids) for s in kept])},
                               staging / TEXT_FILE)
-        runs.save_safetensors({"counts": counts}, staging / "token_counts.safetensors")
+        files.save_safetensors({"counts": counts}, staging / TOKEN_COUNTS_FILE)
         VocabMap.from_counts(counts, data["draft_vocab_size"], target.vocab_size, str(folder)).save(
             staging / VOCAB_MAP_FILE)
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -87,7 +77,7 @@ def make_text(target: Target, data: dict, seed: int, folder: Path) -> Path:
 def check_text(folder: Path, target: Target, data: dict, seed: int) -> dict:
     """The folder's manifest, or a DataError naming what the recipe now says differently."""
     manifest = json.loads((folder / "manifest.json").read_text())
-    wanted = {key: data[key] for key in TEXT_SETTINGS}
+    wanted = {key: data[key] for key in ONLINE_TEXT_KEYS}
     changed = [f"data.{key} {manifest['settings'].get(key)!r} -> {value!r}"
                for key, value in wanted.items() if manifest["settings"].get(key) != value]
     if manifest["seed"] != seed:
@@ -102,14 +92,16 @@ def check_text(folder: Path, target: Target, data: dict, seed: int) -> dict:
     return manifest
 
 
-class OnlineReader:
-    """`DataReader`'s batches, with the hidden states computed by the target as each batch is asked for."""
+class OnlineReader(BatchReader):
+    """A capture's batches, with the hidden states computed by the target as each batch is asked for."""
+
+    format = FORMAT
 
     def __init__(self, folder: Path, target: Target, aux_layer_ids: list[int], dtype: torch.dtype,
                  manifest: dict):
-        self.path, self.target, self.aux_layer_ids, self.dtype = folder, target, aux_layer_ids, dtype
+        self.path, self.target, self.dtype = folder, target, dtype
         self.manifest = {**manifest, "aux_layer_ids": aux_layer_ids}
-        text = load_tensors(folder / TEXT_FILE)
+        text = files.read_safetensors(folder / TEXT_FILE, error=DataError)
         self.lengths = text["sample_lengths"].tolist()
         self.texts = list(zip(text["input_ids"].split(self.lengths), text["loss_mask"].split(self.lengths),
                               strict=True))
@@ -131,7 +123,7 @@ class OnlineReader:
         self, batch_size: int, seq_len: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
         skip: int = 0, rows: slice | None = None,
     ) -> Iterator[dict[str, Tensor]]:
-        """As `DataReader.batches`; skipped batches and other processes' rows cost no target forward."""
+        """Skipped batches and other processes' rows cost no target forward."""
         first = [0, *torch.tensor(self.shards).cumsum(0).tolist()]
         order = ((self.lengths[first[s] + i], first[s] + i)
                  for s, indices in reading_order(self.shards, shuffle, seed) for i in indices)
@@ -163,14 +155,6 @@ class OnlineReader:
             })
         return samples
 
-    def __repr__(self) -> str:
-        return f"OnlineReader({str(self.path)!r}, target={self.target.name}, samples={self.num_samples})"
-
-
-def load_target(params: dict, device: torch.device | str) -> Target:
-    spec = params["target"]
-    return Target.load(spec["spec"], dtype=spec["dtype"], device=device, cache_dir=spec["cache_dir"] or None)
-
 
 def ensure_text(params: dict, out: Path, target: Target) -> dict:
     """The manifest of `out/online_data/`: made when missing, else checked against the recipe."""
@@ -186,24 +170,21 @@ def online_training_data(params: dict, out: Path, device: torch.device, main: bo
     text folder `out/online_data/` (made by the main process when missing; `train_arms` makes it before
     it launches torchrun, so that no rank waits on a long self-distillation), and the vocab map
     (`train.vocab_map`, else the text's own)."""
-    target = load_target(params, device)
+    target = Target.from_params(params["target"], device)
     manifest = ensure_text(params, out, target) if main else None
     barrier()
     folder = Path(out) / FOLDER
     manifest = manifest or check_text(folder, target, params["data"], params["run"]["seed"])
-    train = params["train"]
-    map_path = runs.resolve_path(train["vocab_map"]) if train["vocab_map"] else folder / VOCAB_MAP_FILE
-    if not os.path.exists(map_path):
-        raise DataError(f"{map_path}: no vocab map (train.vocab_map)")
     aux_layer_ids = target.check_aux_layer_ids(params["target"]["aux_layer_ids"] or None)
     dtype = parse_dtype(params["data"]["dtype"], "data.dtype")
     reader = OnlineReader(folder, target, aux_layer_ids, dtype, manifest)
     return TrainingData(
         reader=reader,
-        vocab_map=VocabMap.load(map_path, vt=target.vocab_size),
+        vocab_map=training_vocab_map(params["train"], folder, target.vocab_size),
         head=target.head_weights(),
         target_hidden_size=target.hidden_size,
         vocab_size=target.vocab_size,
         aux_layer_ids=aux_layer_ids,
         target=target.name,
+        verifier=manifest["target"]["name"],
     )

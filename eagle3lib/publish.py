@@ -8,44 +8,35 @@ notebook 05 measured for it, and the SHA-256 of its weights, which `verify` chec
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import torch
 import yaml
 
-from eagle3lib import plots, runs
+from eagle3lib import files, plots, runs
 from eagle3lib.checkpoint import load_drafter, save_drafter
 
 PROVENANCE = "provenance.json"
 WEIGHTS = "model.safetensors"
-DEMO_SOURCE_DRAFTER = runs.REPO_ROOT / "drafters" / "smollm2-135m-prose"  # params/demo.yaml's source drafter
+DEMO_SOURCE_DRAFTER = files.REPO_ROOT / "drafters" / "smollm2-135m-prose"  # params/demo.yaml's source drafter
 
 
 class PublishError(ValueError):
     """A run that cannot be published, or a published folder that does not match its record."""
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def publish(run_dir: Path, arm: str, out: Path, *, command: str, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Copy the drafter of `run_dir/04_finetune/<arm>/` to `out/` in `dtype`, with its provenance."""
-    arm_folder = Path(run_dir) / "04_finetune" / arm
+    arm_folder = Path(run_dir) / runs.FINETUNE / arm
     summary_path = arm_folder / "summary.json"
     if not summary_path.is_file():
         raise PublishError(f"{summary_path}: no finished arm to publish (run notebook 04 first)")
     summary = json.loads(summary_path.read_text())
     drafter, report = load_drafter(arm_folder / "drafter", strict=True, dtype=dtype)
     metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
-    curve = runs.read_json_lines(arm_folder / "metrics.jsonl")
-    with runs.staged_folder(Path(out)) as staging:
+    curve = files.read_json_lines(arm_folder / "metrics.jsonl")
+    with files.staged_folder(Path(out)) as staging:
         save_drafter(drafter, staging / "drafter")
         for item in (staging / "drafter").iterdir():
             item.rename(staging / item.name)
@@ -59,16 +50,16 @@ def publish(run_dir: Path, arm: str, out: Path, *, command: str, dtype: torch.dt
             "dtype": str(dtype).removeprefix("torch."),
             "load_report": report.summary(),
             "recipe": yaml.safe_load((Path(run_dir) / "params.yaml").read_text()),
-            "data": metrics.get("00_prepare_data"),
+            "data": metrics.get(runs.PREPARE_DATA),
             "steps": summary["steps"],
             "training_seconds": summary["seconds"],
             "final_check": summary["final_check"],
             "training_curve": curve,
-            "measured": metrics.get("05_evaluate"),
+            "measured": metrics.get(runs.EVALUATE),
             "learning_curve": _read_json(arm_folder / "learning_curve.json"),
-            "sha256": {WEIGHTS: sha256(staging / WEIGHTS)},
+            "sha256": {WEIGHTS: files.file_sha256(staging / WEIGHTS)},
         }
-        runs.atomic_write_text(staging / PROVENANCE, json.dumps(record, indent=1) + "\n")
+        files.atomic_write_text(staging / PROVENANCE, json.dumps(record, indent=1) + "\n")
     return Path(out)
 
 
@@ -78,7 +69,7 @@ def _read_json(path: Path) -> dict | None:
 
 def training_commit(metrics: dict) -> str:
     """The git commit `eagle3 run` recorded when it ran notebook 04 ("+changes": with uncommitted edits)."""
-    runs_of_04 = [p for p in metrics.get("provenance", []) if "04_finetune" in p.get("notebooks", [])]
+    runs_of_04 = [p for p in metrics.get("provenance", []) if runs.FINETUNE in p.get("notebooks", [])]
     if not runs_of_04:
         raise PublishError("the run's metrics.json records no provenance for 04_finetune (use eagle3 run)")
     return runs_of_04[-1]["git commit"]
@@ -88,7 +79,7 @@ def verify(folder: Path) -> dict:
     """The provenance of a published drafter, after checking its weights against the recorded hash."""
     folder = Path(folder)
     record = json.loads((folder / PROVENANCE).read_text())
-    found = sha256(folder / WEIGHTS)
+    found = files.file_sha256(folder / WEIGHTS)
     if found != record["sha256"][WEIGHTS]:
         raise PublishError(
             f"{folder / WEIGHTS}: SHA-256 {found} is not the {record['sha256'][WEIGHTS]} recorded in "

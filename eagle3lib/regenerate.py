@@ -32,8 +32,9 @@ from pathlib import Path
 
 from eagle3lib.conversations import ChatRenderer, Conversation, ConversationError
 from eagle3lib.data import DataError
+from eagle3lib.files import atomic_write_text, file_sha256
 from eagle3lib.progress import progress
-from eagle3lib.runs import atomic_write_text, git_commit
+from eagle3lib.runs import git_commit
 
 FORMAT = "eagle3lib-regenerated"
 ENGINES = ("builtin", "vllm", "server")
@@ -113,7 +114,8 @@ class BuiltinEngine(Engine):
     def replies(self, requests: list[Request]) -> list[Reply]:
         import torch
 
-        from eagle3lib.speculate import batches_by_length, decode_target_only
+        from eagle3lib.probe import batches_by_length
+        from eagle3lib.speculate import decode_target_only
 
         found: dict[int, Reply] = {}
         prompts = [r.prompt_ids for r in requests]
@@ -238,14 +240,6 @@ class TargetFacts:
 
 
 # ---------------------------------------------------------------- the file
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def manifest_path(out: Path) -> Path:

@@ -1,7 +1,7 @@
 """Move a drafter to a new vocab map: every `lm_head` row goes to its token's new draft position.
 
 Why only `lm_head`: row j of `lm_head.weight` [Vd, H] scores draft token j, i.e. target token
-`j + d2t[j]`, so its meaning is tied to the map. Everything else is not (FORMATS.md §3): `fc`, the
+`j + d2t[j]`, so its meaning is tied to the map. Everything else is not (docs/formats.md §3): `fc`, the
 decoder layer and the norms read hidden states, and `embed_tokens` [Vt, H] is indexed by *target*
 token id (the drafter embeds the target's tokens), so its rows already sit at their tokens'
 positions under any map. Moving them would corrupt it; it is kept as it is. (The issue's "embed_tokens
@@ -31,15 +31,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
+from eagle3lib.data import TOKEN_COUNTS_FILE, VOCAB_MAP_FILE, load_target_head, prepared_dir
+from eagle3lib.files import describe_occupant, resolve_path
 from eagle3lib.model import Eagle3Drafter
-from eagle3lib.runs import ParamsError, describe_occupant, resolve_path
+from eagle3lib.params import ParamsError
+from eagle3lib.runs import PREPARE_DATA
 from eagle3lib.vocab import VocabMap
 
 MISSING_POLICIES = ("verifier", "mean", "zeros", "random")
 POLICY_NAMES = ", ".join(MISSING_POLICIES)
-PREPARE_STEP = "00_prepare_data"  # where notebook 00 writes the run's vocab map and token counts
 # rows per slice when statistics or the proof walk over an lm_head (bounds temporary memory)
 CHUNK_ROWS = 4096
 
@@ -307,22 +308,6 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() - b.double()).abs().amax()
 
 
-def load_target_head(spec: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The target's `lm_head.weight` and `embed_tokens.weight` [Vt, H] from a data folder's
-    `target_head.safetensors` (or that file), else from a target `Target.load` understands."""
-    path = Path(spec)
-    file = path / "target_head.safetensors" if path.is_dir() else path
-    if file.is_file() and file.suffix == ".safetensors":
-        with safe_open(str(file), framework="pt") as handle:
-            absent = [k for k in ("lm_head.weight", "embed_tokens.weight") if k not in handle.keys()]
-            if absent:
-                raise RemapError(f"{file}: no {', '.join(absent)} (a target head file holds both)")
-            return {k: handle.get_tensor(k) for k in ("lm_head.weight", "embed_tokens.weight")}
-    from eagle3lib.target import Target
-
-    return Target.load(spec, device="cpu").head_weights()
-
-
 def check_remap_settings(params: dict) -> None:
     """Refuse 03_remap_lm_head's settings that cannot work, naming the key, before anything is loaded."""
     if params["remap"]["missing"] not in MISSING_POLICIES:
@@ -341,7 +326,7 @@ def remap_checkpoint(
     """`eagle3 remap`: load `source` strictly, move it onto the map in `to_map` (a map file or another
     checkpoint), prove it, and write it to `out` in the source's layout with `out/remap_report.json`.
 
-    `target` (see `load_target_head`) supplies the rows for missing='verifier' and, for a drafter that
+    `target` (see `data.load_target_head`) supplies the rows for missing='verifier' and, for a drafter that
     carries no embedding, the token embedding the proof runs through. A failed proof writes nothing.
     """
     from eagle3lib import checkpoint
@@ -354,7 +339,7 @@ def remap_checkpoint(
     new_map = VocabMap.load(to_map, vt=vt)
     target_head = None
     if target is not None:
-        head = load_target_head(target)
+        head, _ = load_target_head(target, ("lm_head.weight", "embed_tokens.weight"))
         for name, tensor in head.items():
             if tensor.dim() != 2 or tensor.shape != (vt, drafter.config.hidden_size):
                 raise RemapError(
@@ -380,14 +365,14 @@ def notebook_inputs(params: dict, run_dir: str | os.PathLike, names: tuple[str, 
     `vocab.map_a` defaults to `remap.source_drafter`'s map; `vocab.map_b` and `vocab.counts` default to the
     map and token counts 00_prepare_data writes.
     """
-    prepared = Path(run_dir) / PREPARE_STEP
+    prepared = prepared_dir(run_dir)
     vocab, remap = params["vocab"], params["remap"]
     source = resolve_path(remap["source_drafter"]) if remap["source_drafter"] else None
     candidates = {
         "source_drafter": source,
         "map_a": resolve_path(vocab["map_a"]) if vocab["map_a"] else source,
-        "map_b": resolve_path(vocab["map_b"]) if vocab["map_b"] else prepared / "vocab_map.safetensors",
-        "counts": resolve_path(vocab["counts"]) if vocab["counts"] else prepared / "token_counts.safetensors",
+        "map_b": resolve_path(vocab["map_b"]) if vocab["map_b"] else prepared / VOCAB_MAP_FILE,
+        "counts": resolve_path(vocab["counts"]) if vocab["counts"] else prepared / TOKEN_COUNTS_FILE,
     }
     found = {}
     for name in names:
@@ -396,7 +381,7 @@ def notebook_inputs(params: dict, run_dir: str | os.PathLike, names: tuple[str, 
             raise ParamsError(f"set remap.source_drafter (a drafter checkpoint folder) for {name}")
         if not path.exists():
             raise FileNotFoundError(
-                f"{path} does not exist (the {name} input); run {PREPARE_STEP} first or set it in the params"
+                f"{path} does not exist (the {name} input); run {PREPARE_DATA} first or set it in the params"
             )
         found[name] = path
     return found

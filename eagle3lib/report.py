@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 
-from eagle3lib import runs
+from eagle3lib import files, runs
 from eagle3lib.evaluate import summary_lines, tau_text
 
 
@@ -25,14 +25,14 @@ def _fmt(value) -> str:
 def key_numbers(metrics: dict) -> list[str]:
     """The experiment's answer in a few lines and tables: map agreement, remap, arms, τ per drafter."""
     lines: list[str] = []
-    diff = metrics.get("02_diff_vocab_maps", {})
+    diff = metrics.get(runs.DIFF_VOCAB_MAPS, {})
     if "positions_equal" in diff:
         lines.append(
             f"- Map agreement: {diff['positions_equal']:,} of {diff['positions_compared']:,} draft positions "
             f"agree (first divergence at {diff['first_divergence']}); {diff['intersection']:,} tokens "
             f"shared, {diff['only_in_a']:,} only in map A, {diff['only_in_b']:,} only in map B."
         )
-    remap = metrics.get("03_remap_lm_head", {})
+    remap = metrics.get(runs.REMAP_LM_HEAD, {})
     if "moved" in remap:
         proof = remap.get("proof") or {}
         verdict = "passed" if proof.get("passed") else "FAILED"
@@ -41,11 +41,11 @@ def key_numbers(metrics: dict) -> list[str]:
             f"filled ({remap['missing']}), {remap['dropped']:,} dropped; proof: max |logit difference| "
             f"{proof.get('max_abs_diff')} over the shared tokens ({verdict})."
         )
-    probe = metrics.get("01_probe_drafter", {})
+    probe = metrics.get(runs.PROBE_DRAFTER, {})
     if "tau" in probe:
         lines.append(f"- Probe of the source drafter ({probe['backend']}, {probe['steps']} steps): "
                      f"τ {tau_text(probe)}.")
-    arms = metrics.get("04_finetune", {}).get("arms", {})
+    arms = metrics.get(runs.FINETUNE, {}).get("arms", {})
     if arms:
         lines += ["", "| fine-tuning arm | loss_0 at step 0 | acc_0 at step 0 | step-0 check | loss_0 at end "
                   "| acc_0 at end | predicted τ |", "|---|---|---|---|---|---|---|"]
@@ -59,7 +59,7 @@ def key_numbers(metrics: dict) -> list[str]:
                 f"| {name} | {_fmt(arm['initial_loss'])} | {_fmt(arm['initial_acc_0'])} | {check} | "
                 f"{_fmt(arm['final_loss'])} | {_fmt(arm['final_acc_0'])} | {_fmt(arm['predicted_tau'])} |"
             )
-    lines += summary_lines(metrics.get("05_evaluate", {}))
+    lines += summary_lines(metrics.get(runs.EVALUATE, {}))
     return lines
 
 
@@ -107,7 +107,7 @@ def write_summary(run_dir: Path) -> Path:
     lines += ["## Parameters", "", "```yaml", params.rstrip(), "```", ""]
     lines += ["## Made with", "", *made_with(metrics), ""]
     path = run_dir / "summary.md"
-    runs.atomic_write_text(path, "\n".join(lines))
+    files.atomic_write_text(path, "\n".join(lines))
     return path
 
 
@@ -153,7 +153,7 @@ def render_index(run_dir: Path) -> Path:
         raise FileNotFoundError(f"{summary} is missing: the front page is rendered from it (write_summary)")
     body = mistune.create_markdown(plugins=["table"])(summary.read_text())
     path = run_dir / "index.html"
-    runs.atomic_write_text(path, PAGE.format(title=html.escape(f"eagle3lib run {run_dir.name}"), body=body))
+    files.atomic_write_text(path, PAGE.format(title=html.escape(f"eagle3lib run {run_dir.name}"), body=body))
     return path
 
 
@@ -371,7 +371,7 @@ def screenshots(run_dir: Path, chromium: str = "chromium") -> list[Screenshot]:
             if is_blank(fresh):
                 raise RuntimeError(f"{page} rendered as a blank page in {chromium}")
             figure = first_figure_px(page, chromium, Path(work))
-            os.replace(runs.shareable(fresh), png)
+            os.replace(files.shareable(fresh), png)
         shots.append(Screenshot(page, png, figure))
     return shots
 
@@ -386,6 +386,6 @@ def render_html(run_dir: Path) -> list[Path]:
     for notebook in sorted(run_dir.glob("[0-9][0-9]_*.ipynb")):
         body, _ = exporter.from_notebook_node(nbformat.read(notebook, as_version=4))
         target = run_dir / "html" / f"{notebook.stem}.html"
-        runs.atomic_write_text(target, body)
+        files.atomic_write_text(target, body)
         written.append(target)
     return written

@@ -1,25 +1,18 @@
-"""Run parameters, run folders and the papermill driver.
+"""Runs: a run's folder and its steps, metrics.json, provenance, and the papermill driver.
 
-Every notebook and `eagle3 run` read parameters through `load_params`: the defaults live in
-`DEFAULTS` (the one place), a YAML recipe under `params/` overrides them, `key=value` overrides
-go on top, and any key that is not in `DEFAULTS` is refused before any work starts (papermill
-itself only warns about unknown parameters).
+A run is one folder `outputs/<run>/` holding the params it was made with (`eagle3lib.params`), one folder
+per step (the notebook of the same name writes there), the executed notebooks, and `metrics.json`, where
+each step records its numbers under its own name.
 """
 
 from __future__ import annotations
 
-import copy
-import errno
 import fcntl
-import glob
 import json
 import os
-import re
 import shutil
 import subprocess
-import tempfile
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,280 +20,22 @@ from typing import Any
 
 import yaml
 
+from eagle3lib.files import REPO_ROOT, atomic_write_text, make_folder, resolve_path
+from eagle3lib.params import ParamsError, load_params, override_dict
 from eagle3lib.progress import HEADLESS
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 OUTPUTS_DIR = REPO_ROOT / "outputs"
 
-# The defaults of every parameter, grouped by the step that reads them. A recipe in params/
-# overrides any subset; keys outside this tree are refused.
-DEFAULTS: dict[str, Any] = {
-    "run": {
-        "name": "default",  # outputs/<name>/ unless a run folder is given explicitly
-        "seed": 0,
-        "device": "auto",  # auto | cpu | cuda
-    },
-    "stand_in": {  # 00_prepare_data: with data.source_corpus set, a source drafter trained on that corpus
-        # stands in for one made for another target; cached, and left at @00_prepare_data/source_drafter
-        "steps": 200,  # its optimizer steps (every other setting from `train`)
-    },
-    "probe": {  # 01_probe_drafter (and the prompts and decoding 05_evaluate shares), eagle3lib.speculate
-        # the target and its dtype come from the `target` section; the drafter runs in the same dtype
-        "backend": "builtin",  # builtin (eagle3lib.speculate) | vllm (make vllm-setup) | sglang (a server)
-        "drafter": "",  # drafter checkpoint folder (SGLang or speculators layout)
-        # held-out prompts from: pydoc-prose | stdlib-code | sharegpt | humaneval | a conversation file or
-        # folder (first user turns) | a prompt file (.jsonl: {"prompt"} or MT-Bench {"turns"} per line)
-        "corpus": "pydoc-prose",
-        "num_prompts": 16,
-        "prompt_chars": 600,  # each prompt: the opening of a held-out document, at most this long
-        "chat": True,  # wrap each prompt in the target's chat template
-        "max_new_tokens": 64,
-        "steps": 3,  # draft depth K (SGLang num_steps, vLLM num_speculative_tokens)
-        "topk": 1,  # 1 = chain; > 1 = tree (builtin only)
-        "num_draft_tokens": None,  # tree budget incl. the root; null = steps + 1 (chain), 1 + topk*steps
-        "temperature": 0.0,  # 0 = greedy; > 0: rejection sampling keeps the target's distribution
-        "batch_size": 8,  # builtin: prompts decoded together (τ and outputs do not depend on it; speed does)
-        "batch1_prompts": 4,  # 01 also decodes this many prompts one at a time: speed at batch 1; 0 = not
-        "dtype": "",  # the target's dtype while probing; "" = target.dtype (float32: greedy output exact)
-        "sglang_url": "http://127.0.0.1:30000",  # backend sglang: a server started with EAGLE3
-    },
-    "evaluate": {  # 05_evaluate: drafters side by side on probe's target, prompts and decoding settings
-        # one entry per drafter: {name: ..., path: checkpoint folder}; the integrator resolves null paths
-        "drafters": [{"name": "drafter", "path": None}],
-        # every drafter on each: [{name, corpus (as probe.corpus), num_prompts (0: all of a prompt file or
-        # humaneval)}]; [] = probe.corpus alone. The K sweep and the figures use the first.
-        "benchmarks": [],
-        "sample_tokens": 48,  # generated tokens shown per drafter for the first prompt
-        "sweep_steps": [1, 2, 3, 4, 5],  # the K sweep: chain depths tried per drafter; [] = no sweep
-        "sweep_batch_size": 1,  # the sweep decodes one prompt at a time: one user's latency
-        "sweep_prompts": 4,  # the first benchmark's first prompts the sweep decodes
-        "sweep_tree": {"steps": 3, "topk": 2, "num_draft_tokens": 6},  # one small tree too; steps 0 = none
-    },
-    "target": {  # the target model (00_prepare_data and every step that runs it), eagle3lib.target
-        "spec": "zoo:smollm2-135m-instruct",  # a local HF folder, a cached HF model id, or zoo:<name>
-        "dtype": "auto",  # auto (bf16 on GPUs and CPUs with bf16 units, else float32) | float32 | bfloat16
-        "aux_layer_ids": [],  # eagle3lib numbering (id i = output of decoder layer i); [] = [1, N//2-1, N-4]
-        "cache_dir": "",  # converted zoo models; "" = $EAGLE3LIB_CACHE or ~/.cache/eagle3lib/zoo
-    },
-    "data": {  # 00_prepare_data, eagle3lib.data and eagle3lib.zoo
-        # the run's data, in 00_prepare_data/ itself: documents (stdlib-code | pydoc-prose) or conversations
-        # (sharegpt | a .json/.jsonl[.gz] file or folder of ShareGPT or OpenAI `messages` records)
-        "corpus": "stdlib-code",
-        "source_corpus": "",  # also prepare 00_prepare_data/source/ (to train a source drafter on); "" = none
-        "num_tokens": 200000,  # tokens captured per corpus
-        # documents: raw (as they are) | self-distill (chat prompts answered by the target);
-        # conversations: conversation (their own assistant turns) | regenerate (the target's replies instead)
-        "text": "raw",
-        "loss_turns": "all",  # conversations: every assistant turn in the loss | last (SpecForge's option)
-        "max_new_tokens": 128,  # self-distill and regenerate: reply length
-        "regenerate": {  # data.text regenerate (eagle3lib.regenerate): the target's replies, turn by turn
-            "engine": "builtin",  # builtin (the target here) | vllm (make vllm-setup) | server (OpenAI API)
-            "temperature": 0.0,  # 0 = greedy
-            "batch_size": 32,  # replies decoded together (builtin), requests in flight (server)
-            "max_turns": 0,  # user turns answered per conversation; 0 = all
-            "max_prompt_tokens": 2048,  # a longer prompt ends its conversation there
-            "dtype": "auto",  # builtin: the target's own; vllm: auto = bfloat16
-            "url": "",  # server: e.g. http://127.0.0.1:30000 (SGLang or vLLM, OpenAI-compatible)
-            "model": "",  # server: the model name it serves; "" = target.spec
-        },
-        "prompt_chars": 600,  # self-distill: characters of a document in each prompt
-        "seq_len": 512,  # tokens per sample (longer documents are cut into windows)
-        "batch_size": 8,  # sequences per capture forward
-        "dtype": "bfloat16",  # stored hidden states: bfloat16 | float16 | float32
-        "shard_tokens": 32768,  # tokens per shard; writer and reader hold about one shard in memory
-        "heldout_fraction": 0.1,  # documents kept out of training (evaluation prompts come from them)
-        "draft_vocab_size": 32000,  # Vd of each vocab map built from the token counts (EAGLE-3 releases: 32k)
-    },
-    "vocab": {  # 02_diff_vocab_maps, eagle3lib.vocab
-        "map_a": "",  # map file or drafter checkpoint; "" = remap.source_drafter's map
-        "map_b": "",  # the new map; "" = the one 00_prepare_data wrote in this run
-        "counts": "",  # token counts (safetensors `counts` [Vt]); "" = 00_prepare_data's in this run
-        "label_a": "source drafter",
-        "label_b": "new map",
-    },
-    "remap": {  # 03_remap_lm_head, eagle3lib.remap: source_drafter moved onto vocab.map_b
-        "source_drafter": "",  # drafter checkpoint folder (SGLang or speculators layout)
-        "missing": "mean",  # rows for tokens the old map lacks: verifier | mean | zeros | random
-        "target": "",  # the target head for `verifier` and the proof: data folder, HF folder or zoo:...
-    },
-    "train": {  # 04_finetune, eagle3lib.train
-        "arms": ["scratch"],  # a drafter per entry, same data and budget: scratch|drafter|drafter-no-remap
-        # offline: from hidden states captured first (00_prepare_data, or a SpecForge/speculators dump);
-        # online: the target runs in the loop on the `data` section's text (kept in <out>/online_data/)
-        "data_mode": "offline",
-        "data": "",  # offline data folder; "" = the one 00_prepare_data wrote in this run
-        # SpecForge/speculators dumps only, which carry neither: the target's embed/norm/lm_head weights
-        # (a target_head.safetensors) and the layers the dump holds (eagle3lib numbering)
-        "target_head": "",
-        "aux_layer_ids": [],
-        "vocab_map": "",  # the draft vocab to train for (map file or checkpoint); "" = the data folder's map
-        "drafter": "",  # checkpoint the warm-start arms begin from
-        "allow_no_remap": False,  # drafter-no-remap reproduces the scrambled-labels bug: refused unless true
-        "remap_missing": "verifier",  # rows for tokens the drafter's map lacks: verifier|mean|zeros|random
-        "train_lm_head": True,  # SpecForge trains lm_head; speculators freezes it
-        "ttt_steps": 7,  # K unrolled train-time-test steps
-        "step_decay": 0.8,  # loss weight of step k is step_decay**k
-        "steps": 200,  # optimizer steps per arm
-        "batch_size": 8,  # sequences per optimizer step, all processes and micro-batches together
-        "micro_batch_size": 1,  # sequences per forward; accumulation = batch_size / (micro x nproc)
-        "seq_len": 512,
-        "lr": 3e-4,
-        "betas": [0.9, 0.95],
-        "weight_decay": 0.0,
-        "warmup_steps": 20,
-        "min_lr_ratio": 0.1,  # cosine decay ends at lr x min_lr_ratio
-        "max_grad_norm": 0.5,  # 0 = no clipping
-        "dtype": "auto",  # auto (bf16 autocast on GPUs and CPUs with AMX, else fp32) | fp32 | bf16
-        "nproc": 1,  # > 1: data-parallel under torchrun (gloo on CPU, nccl on GPU)
-        "log_every": 10,  # steps between metrics.jsonl entries
-        "checkpoint_every": 100,  # 0 = only the final drafter
-        "keep_checkpoints": 2,
-        "check_batches": 4,  # batches of the step-0 check
-        "check_enforce": True,  # a warm start that fails the step-0 check stops
-        "save_speculators": False,  # also save the final drafter in the speculators layout
-        "scratch": {  # the scratch arm's sizes; null = copy the warm-start drafter's
-            "num_attention_heads": None,
-            "num_key_value_heads": None,
-            "head_dim": None,
-            "intermediate_size": None,
-            "rms_norm_eps": None,
-            "rope_theta": None,
-            "max_position_embeddings": None,
-        },
-    },
-}
-
-
-class ParamsError(ValueError):
-    """A params file or override that does not fit DEFAULTS."""
-
-
-class _ParamsLoader(yaml.SafeLoader):
-    """`yaml.safe_load`, except that numbers with an exponent and no dot or no exponent sign (3e-4, 1.5e3) are
-    numbers: YAML 1.1 reads them as strings, and they are what people type."""
-
-
-_ParamsLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+.0123456789"),
-)
-
-
-def _read_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_ParamsLoader)
-
-
-def check_run_name(where: str, key: str, name: str) -> None:
-    """A run name is one folder under outputs/: a '/', a '..' or an absolute path would write elsewhere."""
-    if not name or name == "." or "/" in name or ".." in name or os.path.isabs(name):
-        raise ParamsError(
-            f"{where}: key '{key}' is {name!r}; a run name is one folder name under outputs/, without '/' "
-            "or '..'"
-        )
-
-
-# Checks of single values beyond their type, by dotted key.
-VALUE_CHECKS = {"run.name": check_run_name}
-
-
-def _check_type(where: str, key: str, default: Any, value: Any) -> Any:
-    if default is None or value is None:
-        return value
-    if isinstance(default, bool):
-        ok = isinstance(value, bool)
-    elif isinstance(default, int):
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(default, float):
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif isinstance(default, str):
-        ok = isinstance(value, str)
-    elif isinstance(default, list):
-        ok = isinstance(value, list | tuple)
-        value = list(value) if ok else value
-    else:
-        ok = isinstance(value, type(default))
-    if not ok:
-        raise ParamsError(
-            f"{where}: key '{key}' expects {type(default).__name__} (default {default!r}), "
-            f"got {type(value).__name__} {value!r}"
-        )
-    return value
-
-
-def _merge(where: str, base: dict, update: dict, prefix: str = "") -> None:
-    """Merge `update` into `base` in place, refusing keys `base` does not have."""
-    if not isinstance(update, dict):
-        raise ParamsError(f"{where}: '{prefix or 'top level'}' must be a mapping, got {update!r}")
-    for key, value in update.items():
-        dotted = f"{prefix}{key}"
-        if key not in base:
-            known = ", ".join(sorted(base))
-            raise ParamsError(f"{where}: unknown key '{dotted}' (known here: {known})")
-        if isinstance(base[key], dict):
-            _merge(where, base[key], value, prefix=f"{dotted}.")
-        else:
-            base[key] = _check_type(where, dotted, base[key], value)
-            if dotted in VALUE_CHECKS and base[key] is not None:
-                VALUE_CHECKS[dotted](where, dotted, base[key])
-
-
-def parse_override(text: str) -> dict:
-    """`'train.lr=3e-4'` → `{'train': {'lr': 0.0003}}`; the value is read as YAML."""
-    if "=" not in text:
-        raise ParamsError(f"override {text!r}: expected key=value, e.g. train.steps=100")
-    key, raw = text.split("=", 1)
-    try:
-        value = _read_yaml(raw)
-    except yaml.YAMLError as err:
-        reason = getattr(err, "problem", None) or " ".join(str(err).split())
-        raise ParamsError(f"override {text!r}: the value is not valid YAML ({reason})") from err
-    nested: dict = {}
-    node = nested
-    parts = key.strip().split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-    return nested
-
-
-def resolve_path(path: str | os.PathLike | None) -> Path | None:
-    """Relative paths in params are relative to the repository root, wherever the kernel runs."""
-    if path is None:
-        return None
-    p = Path(os.path.expanduser(str(path)))
-    return p if p.is_absolute() else REPO_ROOT / p
-
-
-def load_params(
-    params_file: str | os.PathLike | None = None,
-    overrides: dict | list[str] | None = None,
-) -> dict:
-    """DEFAULTS ← params file ← overrides, every key checked; returns a fresh nested dict."""
-    params = copy.deepcopy(DEFAULTS)
-    if params_file is not None:
-        path = resolve_path(params_file)
-        if not path.is_file():
-            raise ParamsError(f"params file not found: {path}")
-        try:
-            recipe = _read_yaml(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ParamsError(f"{path}: not valid YAML: {err}") from err
-        _merge(str(path), params, recipe)
-    for override in _as_override_dicts(overrides):
-        _merge("override", params, override)
-    return params
-
-
-def _as_override_dicts(overrides: dict | list[str] | None) -> list[dict]:
-    if not overrides:
-        return []
-    if isinstance(overrides, dict):
-        return [overrides]
-    return [parse_override(item) for item in overrides]
-
+# A run's steps, in order: each is the notebook `notebooks/<step>.ipynb`, the folder `<run>/<step>/` it
+# writes, and its entry in metrics.json.
+PREPARE_DATA = "00_prepare_data"
+PROBE_DRAFTER = "01_probe_drafter"
+DIFF_VOCAB_MAPS = "02_diff_vocab_maps"
+REMAP_LM_HEAD = "03_remap_lm_head"
+FINETUNE = "04_finetune"
+EVALUATE = "05_evaluate"
+STEPS = (PREPARE_DATA, PROBE_DRAFTER, DIFF_VOCAB_MAPS, REMAP_LM_HEAD, FINETUNE, EVALUATE)
 
 RUN_PREFIX = "@"  # "@04_finetune/scratch/drafter" = that path inside the run folder
 
@@ -449,195 +184,6 @@ def record_provenance(run: Run, notebooks: list[str]) -> list[dict]:
     return records
 
 
-def shareable(path: str | os.PathLike) -> Path:
-    """Give a file or folder made by mkstemp/mkdtemp (private: 0600/0700) the permissions a plain open() or
-    mkdir() would have under this process's umask, so that reports and checkpoints can be shared."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~umask)
-    return Path(path)
-
-
-def shareable_tree(folder: str | os.PathLike) -> Path:
-    """`shareable` for a folder and everything under it, before it is renamed into place: safetensors (0.8)
-    writes each file privately (0600), as mkstemp does, and a checkpoint or data folder is meant to be read by
-    others."""
-    for parent, folders, files in os.walk(folder):
-        for name in folders + files:
-            if not os.path.islink(os.path.join(parent, name)):  # a link's target is not ours to change
-                shareable(os.path.join(parent, name))
-    return shareable(folder)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0 only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
-
-
-def clear_stale_staging(path: Path) -> None:
-    """Remove what killed saves of `path` left beside it: staging of processes that no longer run on this
-    machine. Leftovers whose writer cannot be told (named without a process id, by an older eagle3lib) are
-    kept and named in a warning."""
-    # `.NAME.PID.RANDOM.tmp` (`.old`: a replaced folder on its way out); older saves wrote `.NAME.RANDOM.tmp`
-    staging = re.compile(rf"\.{re.escape(path.name)}\.(?:(?P<pid>[0-9]+)\.)?[^.]+\.(?:tmp|old)")
-    unknown = []
-    for leftover in path.parent.glob(f".{glob.escape(path.name)}.*"):
-        match = staging.fullmatch(leftover.name)
-        if not match:
-            continue
-        if match["pid"] is None:
-            unknown.append(leftover)
-        elif not _running(int(match["pid"])):
-            if leftover.is_dir() and not leftover.is_symlink():
-                shutil.rmtree(leftover, ignore_errors=True)
-            else:
-                leftover.unlink(missing_ok=True)
-    if unknown:
-        warnings.warn(
-            f"{path.parent}: {', '.join(sorted(p.name for p in unknown))} left by an interrupted save of "
-            f"{path.name}; remove them once no other process is writing {path}", stacklevel=3,
-        )
-
-
-def staging_path(path: Path, folder: bool, suffix: str = ".tmp") -> Path:
-    """A new empty folder (or file) beside `path` to fill and then rename onto it, named after this process,
-    with the umask's permissions; stale staging from killed saves is cleared first."""
-    make_folder(path.parent)
-    clear_stale_staging(path)
-    prefix = f".{path.name}.{os.getpid()}."
-    if folder:
-        return shareable(tempfile.mkdtemp(dir=path.parent, prefix=prefix, suffix=suffix))
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=suffix)
-    os.close(fd)
-    return shareable(tmp)
-
-
-def describe_occupant(path: Path) -> str:
-    """Why `path` is taken, for a refusal: a dangling symbolic link is taken too (a rename onto it fails)."""
-    if path.is_symlink() and not path.exists():
-        return f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
-    return f"{path} exists"
-
-
-def make_folder(path: Path) -> Path:
-    """`path` as a folder, made with its parents where missing; one of them that is a file or a dangling
-    symbolic link is named."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError) as err:
-        blocker = next((p for p in (path, *path.parents) if os.path.lexists(p) and not p.is_dir()), path)
-        raise FileExistsError(f"{describe_occupant(blocker)}, not a folder: cannot write {path}") from err
-    return path
-
-
-@contextmanager
-def staged_folder(path: Path, replace: bool = False) -> Iterator[Path]:
-    """A temporary folder beside `path` to fill: renamed to `path` when the block ends without an error (with
-    the umask's permissions for all it holds), removed otherwise, so `path` never holds a half-written
-    folder. An existing `path` is refused, or with `replace` moved aside first, so that the rename itself
-    stays atomic."""
-    staging = staging_path(path, folder=True)
-    try:
-        yield staging
-        shareable_tree(staging)
-        if not os.path.lexists(path):
-            os.replace(staging, path)
-        elif replace:
-            old = staging_path(path, folder=True, suffix=".old")
-            os.replace(path, old / path.name)
-            os.replace(staging, path)
-            shutil.rmtree(old)
-        else:
-            raise FileExistsError(f"{describe_occupant(path)}; refusing to replace it")
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-class WriteError(OSError):
-    """A file that could not be written; the message names it and the system's reason."""
-
-
-def write_failure(path: str | os.PathLike, err: BaseException) -> WriteError:
-    """`err`, raised while writing `path`, as "writing PATH: REASON" (e.g. No space left on device). The
-    reason is the OSError behind it: its own, the one a failed write left as its context (torch.save into a
-    file object), or the "os error N" in a safetensors message."""
-    cause: BaseException | None = err
-    while cause is not None and not (isinstance(cause, OSError) and cause.errno):
-        cause = cause.__cause__ or cause.__context__
-    code = cause.errno if cause is not None else None
-    if code is None and (found := re.search(r"os error ([0-9]+)", str(err))):
-        code = int(found[1])
-    failure = WriteError(f"writing {path}: {os.strerror(code) if code else err}")
-    failure.errno = code
-    return failure
-
-
-def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
-    """safetensors' `save_file`, with a failure named by `write_failure`."""
-    from safetensors.torch import save_file
-
-    try:
-        save_file(tensors, str(path), metadata=metadata)
-    except Exception as err:  # safetensors raises its own error type for I/O errors
-        raise write_failure(path, err) from err
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temporary file beside `path`, then rename: readers never see half a file."""
-    tmp = staging_path(path, folder=False)
-    try:
-        try:
-            with open(tmp, "w") as handle:
-                handle.write(text)
-        except OSError as err:
-            raise write_failure(path, err) from err
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def append_line(path: Path, line: str) -> None:
-    """Append `line` and a newline to `path` in one write, so that readers see whole lines; a write the disk
-    cuts short is taken back. A symbolic link is refused: a run appends to its own files only."""
-    data = (line + "\n").encode()
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise WriteError(f"{path} is a symbolic link; a run appends only to files of its own") from err
-        raise write_failure(path, err) from err
-    try:
-        size = os.fstat(fd).st_size
-        try:
-            while data:
-                data = data[os.write(fd, data) :]
-        except OSError as err:
-            os.ftruncate(fd, size)
-            raise write_failure(path, err) from err
-    finally:
-        os.close(fd)
-
-
-def json_line(line: str, path: Path, number: int) -> Any:
-    """Line `number` of the JSON-lines file `path`, parsed; a line that does not parse is refused by name."""
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}, line {number}: not valid JSON ({err})") from err
-
-
-def read_json_lines(path: Path) -> list:
-    """Every entry of a JSON-lines file (such as an arm's metrics.jsonl)."""
-    return [json_line(line, path, number) for number, line in enumerate(path.read_text().splitlines(), 1)]
-
-
 # ---------------------------------------------------------------- papermill driver
 
 
@@ -706,13 +252,6 @@ def execute_notebook(
     return time.perf_counter() - start
 
 
-def check_positive(section: str, settings: dict, keys: tuple[str, ...]) -> None:
-    """Refuse the settings among `keys` of `section` that are below 1, naming each."""
-    small = [f"{section}.{key} ({settings[key]})" for key in keys if settings[key] < 1]
-    if small:
-        raise ParamsError(f"{', '.join(small)} must be at least 1")
-
-
 LOCK_FILE = ".lock"
 
 
@@ -747,9 +286,7 @@ def run_notebooks(
     path = run_path(run_dir, params)
     with run_lock(path):
         run = Run.open(path, params, overwrite=overwrite)
-        override_dict: dict = {}
-        for item in _as_override_dicts(overrides):
-            _deep_update(override_dict, item)
+        overrides_for_kernels = override_dict(overrides)
         for notebook in notebook_paths(only):
             output = run.path / notebook.name
             if output.exists() and not overwrite:
@@ -762,7 +299,7 @@ def run_notebooks(
                 {
                     "params_file": str(resolve_path(params_file)),
                     "run_dir": str(run.path),
-                    "overrides": override_dict,
+                    "overrides": overrides_for_kernels,
                     "overwrite": overwrite,
                 },
                 progress_bar=True,
@@ -772,11 +309,4 @@ def run_notebooks(
             print(f"[eagle3 run] {notebook.name} done in {seconds:.1f} s", flush=True)
     return run.path
 
-
-def _deep_update(base: dict, update: dict) -> None:
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            _deep_update(base[key], value)
-        else:
-            base[key] = value
 

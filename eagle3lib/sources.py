@@ -21,7 +21,7 @@ from torch import Tensor
 from eagle3lib import zoo
 from eagle3lib.conversations import ChatRenderer, Conversation, ReadStats, read_conversations
 from eagle3lib.data import DataError
-from eagle3lib.runs import resolve_path
+from eagle3lib.files import resolve_path
 
 TEXT_KINDS = {"raw": "documents", "self-distill": "documents", "conversation": "conversations",
               "regenerate": "conversations"}

@@ -12,15 +12,15 @@ One round, as SGLang and vLLM run EAGLE-3:
 
 Between rounds the target cache holds every committed token but the last one (the "root", fed with the
 next verification), and the drafter cache holds one row per target cache entry: row t pairs the target's
-aux state at position t with token t+1 and carries position id t+1, as in training (FORMATS.md §1).
+aux state at position t with token t+1 and carries position id t+1, as in training (docs/formats.md §1).
 
 Prompts decode in batches (`SpeculativeDecoder.generate_batch`): the target and the drafter each keep one
 KV cache for the batch, every sequence accepts its own number of drafts per round (rejected and padding
 columns stay behind as masked holes), and finished sequences leave the batch. A sequence computes what it
 would alone, so τ and the outputs do not depend on the batch size; speed does.
 
-The module runs past 600 lines on purpose: the batch caches, drafting, verification and counting are one
-algorithm whose pieces share one invariant (the valid-column layout of both caches), read top to bottom.
+Measuring a drafter with this (prompts in batches, the target-only baseline, τ and speed) is
+`eagle3lib.probe`.
 """
 
 from __future__ import annotations
@@ -33,9 +33,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from eagle3lib import intervals
 from eagle3lib.config import default_aux_layer_ids
-from eagle3lib.progress import progress
 
 # ---------------------------------------------------------------- checks before any decoding
 
@@ -170,6 +168,12 @@ class DraftSettings:
             )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+    @classmethod
+    def from_probe(cls, probe: dict) -> DraftSettings:
+        """The decoding a recipe's `probe` section asks for (01, and 05 for every drafter)."""
+        return cls(steps=probe["steps"], topk=probe["topk"], num_draft_tokens=probe["num_draft_tokens"],
+                   temperature=probe["temperature"])
 
     @property
     def samples_drafts(self) -> bool:
@@ -423,85 +427,140 @@ def draft_trees(
     drafter, cache = batch.drafter, batch.cache
     device = root_logits.device
     size, committed = len(root_tokens), len(cache)
-    draft_ids = drafter.draft_to_target(torch.arange(len(drafter.d2t), device=device))
-    vocab, k = drafter.config.vocab_size, settings.topk
-    rows = torch.arange(size)
-
-    def propose(logits: Tensor, parent_scores: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Children of logits [B, m, Vd]: draft ids [B, m, c], scores [B, m, c], their q in target ids."""
-        logp = torch.log_softmax(logits.float(), -1)
-        if settings.samples_drafts:  # a chain (m = 1): one sampled child, from each sequence's own generator
-            q = torch.softmax(logits.float() / settings.temperature, -1)
-            ids = torch.stack([torch.multinomial(q[b], 1, generator=generators[b]) for b in range(size)])
-            q_target = q.new_zeros(*q.shape[:2], vocab).index_copy_(2, draft_ids, q)
-            return ids, parent_scores[..., None] + logp.gather(2, ids), q_target
-        top, ids = logp.topk(k, dim=-1)
-        return ids, parent_scores[..., None] + top, None
-
+    propose = ChildProposer(drafter, settings, generators)
     ids, child_scores, q = propose(root_logits[:, None], torch.zeros(size, 1, device=device))
+    candidates = Candidates.first_level(propose.draft_ids[ids.flatten(1)], child_scores, q, settings)
     first = ids.shape[-1]
-    tokens = draft_ids[ids.flatten(1)]  # [B, M] target ids of every candidate so far, in creation order
-    scores = child_scores.flatten(1)
-    depths = [1] * first
-    probs = q.expand(size, first, vocab) if q is not None else None
-    most = first + (settings.steps - 1) * k * first
-    parent = torch.full((size, most), -1, dtype=torch.long)  # candidate → its parent candidate (-1: root)
-    row_of = torch.full((size, most), -1, dtype=torch.long)  # candidate → its drafter row beyond `committed`
     frontier = torch.arange(first).expand(size, first)
     frontier_hidden = root_layer_out[:, None].expand(size, first, root_layer_out.shape[-1])
-
     for depth in range(2, settings.steps + 1):
-        fed, width = (depth - 2) * frontier.shape[1], frontier.shape[1]
-        allowed = torch.zeros(size, width, committed + fed + width, dtype=torch.bool)
-        allowed[:, :, :committed] = batch.valid[:, None, :]
-        ancestor = parent.gather(1, frontier)
-        while (ancestor >= 0).any():
-            b, i = (ancestor >= 0).nonzero(as_tuple=True)
-            allowed[b, i, committed + row_of[b, ancestor[b, i]]] = True
-            ancestor = torch.where(ancestor >= 0, parent.gather(1, ancestor.clamp(min=0)), ancestor)
-        allowed[:, torch.arange(width), committed + fed + torch.arange(width)] = True
+        width = frontier.shape[1]
+        fed = (depth - 2) * width  # drafter rows the earlier levels of this tree added to the cache
+        allowed = candidates.attention_mask(frontier, batch.valid, fed)
         positions = (root_positions + depth - 1)[:, None].expand(size, width)
         logits, layer_out = drafter.step(
-            tokens.gather(1, frontier.to(device)), frontier_hidden, positions.to(device), cache,
+            candidates.tokens.gather(1, frontier.to(device)), frontier_hidden, positions.to(device), cache,
             attention_mask=allowed.to(device),
         )
-        row_of.scatter_(1, frontier, (fed + torch.arange(width)).expand(size, width).contiguous())
-        ids, child_scores, q = propose(logits, scores.gather(1, frontier.to(device)))
-        count, children = tokens.shape[1], ids.shape[-1]
-        tokens = torch.cat([tokens, draft_ids[ids.flatten(1)]], dim=1)
-        scores = torch.cat([scores, child_scores.flatten(1)], dim=1)
-        born = frontier[:, :, None].expand(size, width, children).flatten(1)
-        parent[:, count : count + born.shape[1]] = born
-        depths += [depth] * (width * children)
-        if q is not None:
-            probs = torch.cat([probs, q], dim=1)
+        candidates.mark_fed(frontier, fed)
+        ids, child_scores, q = propose(logits, candidates.scores.gather(1, frontier.to(device)))
+        count = candidates.add(frontier, propose.draft_ids[ids.flatten(1)], child_scores, q, depth)
         # the next frontier: each sequence's k best children (a chain: its only child)
-        best = child_scores.flatten(1).topk(min(k, width * children), dim=1).indices.cpu()
+        children = ids.shape[-1]
+        best = child_scores.flatten(1).topk(min(settings.topk, width * children), dim=1).indices.cpu()
         frontier = count + best
-        frontier_hidden = layer_out[rows[:, None], (best // children).to(device)]
+        frontier_hidden = layer_out[torch.arange(size)[:, None], (best // children).to(device)]
     cache.crop(committed)
+    return candidates.trees(root_tokens, settings.num_draft_tokens - 1)
 
-    keep = settings.num_draft_tokens - 1
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :keep].cpu()
-    chosen = order.sort(dim=1).values  # creation order: parents before children
-    node_of = torch.full((size, tokens.shape[1]), -1, dtype=torch.long)
-    node_of.scatter_(1, chosen, torch.arange(1, keep + 1).expand(size, keep).contiguous())
-    chosen_parent = parent[:, : tokens.shape[1]].gather(1, chosen)
-    tree_parent = torch.where(chosen_parent >= 0, node_of.gather(1, chosen_parent.clamp(min=0)), 0)
-    if (tree_parent < 0).any():
-        raise RuntimeError("draft tree selection kept a candidate without its parent")
-    tree_tokens = torch.cat([root_tokens[:, None].to(device), tokens.gather(1, chosen.to(device))], dim=1)
-    tree_depths = torch.cat([torch.zeros(size, 1, dtype=torch.long), torch.tensor(depths)[chosen]], dim=1)
-    if probs is not None:
-        probs = probs[rows[:, None], chosen.to(device)]
-        probs = torch.cat([torch.zeros_like(probs[:, :1]), probs], dim=1)
-    return [
-        DraftTree(
-            tokens=tree_tokens[b], parents=[-1] + tree_parent[b].tolist(), depths=tree_depths[b],
-            draft_probs=probs[b] if probs is not None else None,
+
+class ChildProposer:
+    """The children the drafter proposes from logits [B, m, Vd]: its top-k (or, sampling a chain, one child
+    drawn from each sequence's own generator), with their cumulative log-probabilities."""
+
+    def __init__(self, drafter, settings: DraftSettings, generators: list[torch.Generator | None]):
+        self.settings, self.generators = settings, generators
+        self.vocab = drafter.config.vocab_size
+        self.draft_ids = drafter.draft_to_target(torch.arange(len(drafter.d2t), device=drafter.d2t.device))
+
+    def __call__(self, logits: Tensor, parent_scores: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(draft ids [B, m, c], scores [B, m, c], the distribution they were drawn from over target ids
+        [B, m, Vt] or None when chosen by top-k)."""
+        logp = torch.log_softmax(logits.float(), -1)
+        if self.settings.samples_drafts:  # a chain (m = 1)
+            q = torch.softmax(logits.float() / self.settings.temperature, -1)
+            ids = torch.stack([torch.multinomial(row, 1, generator=generator)
+                               for row, generator in zip(q, self.generators, strict=True)])
+            q_target = q.new_zeros(*q.shape[:2], self.vocab).index_copy_(2, self.draft_ids, q)
+            return ids, parent_scores[..., None] + logp.gather(2, ids), q_target
+        top, ids = logp.topk(self.settings.topk, dim=-1)
+        return ids, parent_scores[..., None] + top, None
+
+
+@dataclass
+class Candidates:
+    """Every candidate drafted so far for B sequences, in creation order (parents before children)."""
+
+    tokens: Tensor  # [B, M] target ids
+    scores: Tensor  # [B, M] cumulative log-probabilities
+    parent: Tensor  # [B, most] parent candidate, -1 for a child of the root
+    row_of: Tensor  # [B, most] the drafter row it was fed as, beyond the committed ones (-1: not fed)
+    depths: list[int]  # per candidate, the same for every sequence
+    probs: Tensor | None  # [B, M, Vt] what each was drawn from (sampled chains), else None
+
+    @classmethod
+    def first_level(cls, tokens: Tensor, child_scores: Tensor, q: Tensor | None, settings: DraftSettings
+                    ) -> Candidates:
+        size, first = tokens.shape
+        most = first + (settings.steps - 1) * settings.topk * first
+        return cls(
+            tokens=tokens, scores=child_scores.flatten(1),
+            parent=torch.full((size, most), -1, dtype=torch.long),
+            row_of=torch.full((size, most), -1, dtype=torch.long),
+            depths=[1] * first, probs=q.expand(size, first, q.shape[-1]) if q is not None else None,
         )
-        for b in range(size)
-    ]
+
+    def attention_mask(self, frontier: Tensor, valid: Tensor, fed: int) -> Tensor:
+        """bool [B, width, committed + fed + width] for feeding `frontier`: each node sees its sequence's
+        committed rows (`valid`), the rows its ancestors were fed as, and itself."""
+        size, width = frontier.shape
+        committed = valid.shape[1]
+        allowed = torch.zeros(size, width, committed + fed + width, dtype=torch.bool)
+        allowed[:, :, :committed] = valid[:, None, :]
+        ancestor = self.parent.gather(1, frontier)
+        while (ancestor >= 0).any():
+            b, i = (ancestor >= 0).nonzero(as_tuple=True)
+            allowed[b, i, committed + self.row_of[b, ancestor[b, i]]] = True
+            ancestor = torch.where(ancestor >= 0, self.parent.gather(1, ancestor.clamp(min=0)), ancestor)
+        allowed[:, torch.arange(width), committed + fed + torch.arange(width)] = True
+        return allowed
+
+    def mark_fed(self, frontier: Tensor, fed: int) -> None:
+        """Record the drafter rows the frontier's nodes were fed as, after the `fed` of earlier levels."""
+        size, width = frontier.shape
+        self.row_of.scatter_(1, frontier, (fed + torch.arange(width)).expand(size, width).contiguous())
+
+    def add(
+        self, frontier: Tensor, tokens: Tensor, child_scores: Tensor, q: Tensor | None, depth: int
+    ) -> int:
+        """Append the children (tokens [B, width * c]) of the frontier's nodes; returns the first's index."""
+        size, width, children = child_scores.shape
+        count = self.tokens.shape[1]
+        self.tokens = torch.cat([self.tokens, tokens], dim=1)
+        self.scores = torch.cat([self.scores, child_scores.flatten(1)], dim=1)
+        born = frontier[:, :, None].expand(size, width, children).flatten(1)
+        self.parent[:, count : count + born.shape[1]] = born
+        self.depths += [depth] * (width * children)
+        if q is not None:
+            self.probs = torch.cat([self.probs, q], dim=1)
+        return count
+
+    def trees(self, root_tokens: Tensor, keep: int) -> list[DraftTree]:
+        """Each sequence's tree: the root and its `keep` best candidates, parents before children."""
+        size, device = len(root_tokens), self.tokens.device
+        order = torch.sort(self.scores, dim=1, descending=True, stable=True).indices[:, :keep].cpu()
+        chosen = order.sort(dim=1).values  # creation order: parents before children
+        node_of = torch.full((size, self.tokens.shape[1]), -1, dtype=torch.long)
+        node_of.scatter_(1, chosen, torch.arange(1, keep + 1).expand(size, keep).contiguous())
+        chosen_parent = self.parent[:, : self.tokens.shape[1]].gather(1, chosen)
+        tree_parent = torch.where(chosen_parent >= 0, node_of.gather(1, chosen_parent.clamp(min=0)), 0)
+        if (tree_parent < 0).any():
+            raise RuntimeError("draft tree selection kept a candidate without its parent")
+        roots = root_tokens[:, None].to(device)
+        tree_tokens = torch.cat([roots, self.tokens.gather(1, chosen.to(device))], dim=1)
+        root_depths = torch.zeros(size, 1, dtype=torch.long)
+        tree_depths = torch.cat([root_depths, torch.tensor(self.depths)[chosen]], dim=1)
+        probs = None
+        if self.probs is not None:
+            probs = self.probs[torch.arange(size)[:, None], chosen.to(device)]
+            probs = torch.cat([torch.zeros_like(probs[:, :1]), probs], dim=1)
+        return [
+            DraftTree(
+                tokens=tree_tokens[b], parents=[-1] + tree_parent[b].tolist(), depths=tree_depths[b],
+                draft_probs=probs[b] if probs is not None else None,
+            )
+            for b in range(size)
+        ]
 
 
 # ---------------------------------------------------------------- verification
@@ -775,182 +834,3 @@ class SpeculativeDecoder:
             for t, a in zip(tokens, accepted, strict=True)
         ]
         return BatchOutput(generations=generations, seconds=seconds, rounds=rounds)
-
-
-# ---------------------------------------------------------------- metrics
-
-
-def acceptance_metrics(accepted: list[int], depth: int) -> dict:
-    """τ and per-position acceptance from the accepted-draft count of each verification (vLLM's counters:
-    num_drafts, num_accepted_tokens, num_accepted_tokens_per_pos)."""
-    verify_steps = len(accepted)
-    if verify_steps == 0:
-        raise ValueError("no verification step ran (max_new_tokens 1?): τ is undefined")
-    total = sum(accepted)
-    per_position = [sum(a >= d for a in accepted) / verify_steps for d in range(1, depth + 1)]
-    return {
-        "tau": 1 + total / verify_steps,
-        "num_drafts": verify_steps,
-        "num_accepted_tokens": total,
-        "acceptance_per_position": per_position,
-    }
-
-
-def speed_metrics(spec: list[BatchOutput], target: list[BatchOutput] | None, tau: float) -> dict:
-    """Throughput of both decoders on the same prompts and batches, the draft/verify split, speedups and
-    ideal speedup.
-
-    speedup is end to end: both decoders' tokens over their seconds, the prefill they share included (on a
-    CPU, prefilling chat prompts costs about as much as decoding 64 tokens, which halves any speedup);
-    decode_speedup leaves the prefill and the token it yields out of both: what speculation changes.
-    ideal_speedup = τ · (target-only step) / (draft + verify per round): what τ allows at the measured
-    step costs of a batch, decode phase only; efficiency = speedup / ideal, what the shared prefill (and any
-    overhead) leaves of it. Efficiency rises above 1 when speculation is slower than the target alone: the
-    shared prefill then dilutes the slowdown.
-    """
-    def total(outputs: list[BatchOutput], key: str) -> float:
-        return sum(o.seconds[key] for o in outputs)
-
-    def tokens(outputs: list[BatchOutput]) -> int:
-        return sum(len(g.tokens) for o in outputs for g in o.generations)
-
-    def decoded(outputs: list[BatchOutput]) -> int:  # every sequence's first token comes from the prefill
-        return tokens(outputs) - sum(len(o.generations) for o in outputs)
-
-    rounds = sum(o.rounds for o in spec)
-    out = {
-        "tokens": tokens(spec),
-        "tokens_per_s": tokens(spec) / total(spec, "total"),
-        "prefill_s": total(spec, "prefill"),
-        "draft_s": total(spec, "draft"),
-        "verify_s": total(spec, "verify"),
-        "decode_tokens_per_s": decoded(spec) / (total(spec, "draft") + total(spec, "verify")),
-        "draft_ms_per_round": 1e3 * total(spec, "draft") / rounds,
-        "verify_ms_per_round": 1e3 * total(spec, "verify") / rounds,
-    }
-    if target:
-        step_s = total(target, "decode") / max(sum(o.rounds for o in target), 1)
-        ideal = tau * step_s / ((total(spec, "draft") + total(spec, "verify")) / rounds)
-        target_rate = tokens(target) / total(target, "total")
-        speedup = out["tokens_per_s"] / target_rate
-        target_decode_rate = decoded(target) / total(target, "decode")
-        out |= {
-            "target_tokens_per_s": target_rate,
-            "target_decode_tokens_per_s": target_decode_rate,
-            "target_ms_per_step": 1e3 * step_s,
-            "speedup": speedup,
-            "decode_speedup": out["decode_tokens_per_s"] / target_decode_rate,
-            "ideal_speedup": ideal,
-            "efficiency": speedup / ideal,
-        }
-    return out
-
-
-@dataclass
-class ProbeResult:
-    metrics: dict
-    spec: list[Generation]
-    target: list[Generation] | None
-    baseline: list[BatchOutput] | None  # the target-only batches, to reuse for other drafters and depths
-
-
-def decode_baseline(
-    model: PreTrainedModel,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    eos_token_id: int | None = None,
-    seed: int = 0,
-    batch_size: int = 8,
-    reuse: PrefillCache | None = None,
-) -> list[BatchOutput]:
-    """The target alone on the prompts, in the batches `probe` uses: one baseline serves every drafter and
-    depth compared on these prompts."""
-    return [
-        decode_target_only(
-            model, [prompts[i] for i in batch], max_new_tokens, temperature, eos_token_id,
-            _seeded(model, seed, batch), reuse,
-        )
-        for batch in batches_by_length(prompts, batch_size)
-    ]
-
-
-def batches_by_length(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
-    """Prompt indices in batches of similar length: left padding to the longest of a batch wastes little."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
-
-
-def _seeded(model: PreTrainedModel, seed: int, batch: list[int]) -> list[torch.Generator]:
-    """Prompt i draws from a generator seeded `seed + i`, whatever the batching."""
-    return [torch.Generator(model.device).manual_seed(seed + i) for i in batch]
-
-
-def _in_prompt_order(outputs: list[BatchOutput], batches: list[list[int]]) -> list[Generation]:
-    found = {i: g for batch, out in zip(batches, outputs, strict=True) for i, g in zip(batch, out.generations,
-                                                                                       strict=True)}
-    return [found[i] for i in range(len(found))]
-
-
-def probe(
-    model: PreTrainedModel,
-    drafter,
-    prompts: list[list[int]],
-    settings: DraftSettings,
-    max_new_tokens: int,
-    eos_token_id: int | None = None,
-    seed: int = 0,
-    compare_target: bool = True,
-    warmup: bool = True,
-    batch_size: int = 8,
-    baseline: list[BatchOutput] | None = None,
-    reuse: PrefillCache | None = None,
-) -> ProbeResult:
-    """Speculate on every prompt, `batch_size` prompts of similar length at a time, and compare with the
-    target decoding the same batches alone (`baseline`, decoded here unless given); count as the engines
-    do, with τ's 95 % bootstrap interval. `reuse` shares the target's prefill between probes of the same
-    prompts (see `PrefillCache`).
-
-    With greedy settings, `matches_target` is the share of prompts whose speculative output equals the
-    target-only output token for token (1.0 unless floating point flips a near tie).
-    """
-    if not prompts:
-        raise ValueError("probe needs at least one prompt")
-    batches = batches_by_length(prompts, batch_size)
-    decoder = SpeculativeDecoder(model, drafter, settings)
-    if warmup:  # first calls pay one-time allocation costs that would skew the timings
-        first = [prompts[i][-16:] for i in batches[0]]  # short: a full prefill here costs as much as a batch
-        decoder.generate_batch(first, min(4, max_new_tokens))
-        if compare_target and baseline is None:
-            decode_target_only(model, first, min(4, max_new_tokens))
-    spec = [
-        decoder.generate_batch([prompts[i] for i in batch], max_new_tokens, eos_token_id,
-                               _seeded(model, seed, batch), reuse)
-        for batch in progress(batches, desc="speculate", leave=False)
-    ]
-    if compare_target and baseline is None:
-        baseline = decode_baseline(model, prompts, max_new_tokens, settings.temperature, eos_token_id, seed,
-                                   batch_size, reuse)
-    target = baseline if compare_target else None
-    spec_generations = _in_prompt_order(spec, batches)
-    target_generations = _in_prompt_order(target, batches) if target else None
-    per_prompt = [g.accepted for g in spec_generations]
-    metrics = acceptance_metrics([a for accepted in per_prompt for a in accepted], settings.steps)
-    interval = intervals.tau_interval(per_prompt, seed=seed)
-    metrics |= {"tau_low": interval.low, "tau_high": interval.high, "tau_interval_unit": interval.unit}
-    metrics |= speed_metrics(spec, target, metrics["tau"])
-    metrics |= {
-        "steps": settings.steps,
-        "topk": settings.topk,
-        "num_draft_tokens": settings.num_draft_tokens,
-        "temperature": settings.temperature,
-        "prompts": len(prompts),
-        "batch_size": batch_size,
-        "accepted_per_prompt": per_prompt,
-    }
-    if target_generations is not None and settings.temperature == 0:
-        same = sum(s.tokens == t.tokens for s, t in zip(spec_generations, target_generations, strict=True))
-        metrics["matches_target"] = same / len(spec_generations)
-    return ProbeResult(metrics=metrics, spec=spec_generations, target=target_generations, baseline=target)

@@ -134,6 +134,12 @@ class Target:
             model.set_attn_implementation("sdpa_shared_kv")
         return cls(model.to(device), tokenizer, str(spec))
 
+    @classmethod
+    def from_params(cls, target: dict, device: str | torch.device) -> Target:
+        """The target a recipe's `target` section names, on `device`."""
+        cache_dir = target["cache_dir"] or None
+        return cls.load(target["spec"], dtype=target["dtype"], device=device, cache_dir=cache_dir)
+
     # ------------------------------------------------------------------ shape facts
 
     @property

@@ -44,20 +44,23 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from eagle3lib import runs
+from eagle3lib import files, runs
 from eagle3lib.checkpoint import load_drafter, save_drafter
 from eagle3lib.config import LAYOUT_READERS, DrafterConfig, read_config
-from eagle3lib.data import TrainingData, training_data
+from eagle3lib.data import DataError, prepared_dir, training_vocab_map
 from eagle3lib.loss import (
     chance_loss,
 )
 from eagle3lib.model import Eagle3Drafter
-from eagle3lib.online import ensure_text, load_target, online_training_data
+from eagle3lib.online import ensure_text, online_training_data
+from eagle3lib.params import STAND_IN_DATA_KEYS, STAND_IN_TRAIN_KEYS, load_params, minimums
+from eagle3lib.readers import open_reader
 from eagle3lib.remap import MISSING_POLICIES, drafter_map, remap_drafter
+from eagle3lib.target import Target
 from eagle3lib.trainer import (
-    RESUME_FREE,
     Processes,
     Trainer,
+    TrainingData,
     TrainingError,
     micro_batches_per_rank,
 )
@@ -145,7 +148,7 @@ def scratch_config(train: dict, data: TrainingData) -> DrafterConfig:
     sizes = dict(train["scratch"])
     missing = [key for key, value in sizes.items() if value is None]
     if missing and train["drafter"]:
-        source = read_config(runs.resolve_path(train["drafter"]))[0]
+        source = read_config(files.resolve_path(train["drafter"]))[0]
         sizes.update({key: getattr(source, key) for key in missing})
     elif missing:
         raise TrainingError(
@@ -185,7 +188,7 @@ def init_drafter(arm: str, train: dict, data: TrainingData, seed: int) -> tuple[
                 "arm 'drafter-no-remap' keeps the checkpoint's lm_head rows under a different vocab map: the "
                 "scrambled-labels bug. It exists only to reproduce that bug; set train.allow_no_remap=true"
             )
-        path = runs.resolve_path(train["drafter"])
+        path = files.resolve_path(train["drafter"])
         drafter, load_report = load_drafter(path, strict=True, dtype=torch.float32)
         _check_drafter_fits(drafter, str(path), data)
         old_map = drafter_map(drafter, str(path))
@@ -240,11 +243,10 @@ def _describe_config(c: DrafterConfig) -> str:
 
 def check_settings(train: dict) -> None:
     """Refuse train params that cannot work, naming the key, before anything is loaded."""
-    at_least = {"steps": 1, "batch_size": 1, "micro_batch_size": 1, "seq_len": 2, "ttt_steps": 1,
-                "log_every": 1, "check_batches": 1, "keep_checkpoints": 1, "nproc": 1, "warmup_steps": 0,
-                "checkpoint_every": 0}
-    problems = [f"train.{key} must be an integer >= {low}, got {train[key]!r}"
-                for key, low in at_least.items() if not isinstance(train[key], int) or train[key] < low]
+    problems = [
+        f"train.{key} must be an integer >= {low}, got {train[key]!r}"
+        for key, low in minimums("train").items() if not isinstance(train[key], int) or train[key] < low
+    ]
     if not train["lr"] > 0 or not train["step_decay"] > 0 or train["max_grad_norm"] < 0:
         problems.append(f"train.lr ({train['lr']}) and train.step_decay ({train['step_decay']}) must be "
                         f"positive, train.max_grad_norm ({train['max_grad_norm']}) not negative")
@@ -286,7 +288,7 @@ class ArmResult:
     @property
     def metrics(self) -> list[dict]:
         path = Path(self.folder) / "metrics.jsonl"
-        return runs.read_json_lines(path) if path.exists() else []
+        return files.read_json_lines(path) if path.exists() else []
 
     def key_numbers(self) -> dict:
         """What the run summary and report tables show for this arm."""
@@ -338,15 +340,14 @@ def train_arm(arm: str, params: dict, out: Path, data: TrainingData, procs: Proc
     if folder.exists() and any(folder.iterdir()) and not resume:
         raise runs.RunExistsError(f"{folder} already holds a run; pass --resume to continue it")
     procs.barrier()  # every rank has looked before rank 0 writes
-    runs.make_folder(folder)
+    files.make_folder(folder)
     log = _logger(folder / "log.txt", procs)
     start = time.perf_counter()
 
     drafter, init_report = init_drafter(arm, train, data, seed)
-    # the drafter's verifier is the target its data was captured from, as the data's manifest names it (a
-    # SpecForge or speculators dump names none: a warm start's own verifier is kept, with a note)
-    manifest = getattr(data.reader, "manifest", None) or {}  # a stand-in reader may have none
-    verifier = (manifest.get("target") or {}).get("name")
+    # the drafter's verifier is the target its data was captured from, as the data names it (a SpecForge or
+    # speculators dump names none: a warm start's own verifier is kept, with a note)
+    verifier = data.verifier
     if verifier:
         drafter.config.verifier = verifier
     speculators_copy = folder / "drafter-speculators"
@@ -368,14 +369,14 @@ def train_arm(arm: str, params: dict, out: Path, data: TrainingData, procs: Proc
     log(f"[{arm}] initialisation:\n{init_report}", echo=False)
     log(f"[{arm}] {init_report.splitlines()[0]} (the whole report: {folder / 'load_report.txt'})")
     if procs.main:
-        runs.atomic_write_text(folder / "load_report.txt", init_report + "\n")
+        files.atomic_write_text(folder / "load_report.txt", init_report + "\n")
     trainer = Trainer(drafter, data, train, seed, folder, procs, log=log)
     check_batches = trainer.check_batches()
     metrics, baseline = trainer.evaluate(check_batches)
     check = diagnose(metrics, baseline, data.vocab_map.vd, warm_start=arm != "scratch")
     log(f"[{arm}] {check.message}")
     if procs.main:
-        runs.atomic_write_text(folder / "check.json", json.dumps(asdict(check), indent=2) + "\n")
+        files.atomic_write_text(folder / "check.json", json.dumps(asdict(check), indent=2) + "\n")
     if not check.passed:
         if arm == "drafter-no-remap":
             log(f"[{arm}] trained anyway: this arm reproduces the bug on purpose (train.allow_no_remap)")
@@ -403,7 +404,7 @@ def train_arm(arm: str, params: dict, out: Path, data: TrainingData, procs: Proc
     log(f"[{arm}] done: loss {final_check.loss_0:.3f}, acc_0 {final_check.acc_0:.2%}, predicted tau "
         f"{final_metrics['tau']:.2f} on the check batches; drafter saved at {drafter_path}")
     if procs.main:
-        runs.atomic_write_text(folder / "summary.json", json.dumps(asdict(result), indent=2) + "\n")
+        files.atomic_write_text(folder / "summary.json", json.dumps(asdict(result), indent=2) + "\n")
     procs.barrier()
     return result
 
@@ -413,7 +414,7 @@ def _logger(path: Path, procs: Processes):
         if procs.main:
             if echo:
                 print(message, flush=True)
-            runs.append_line(path, message)
+            files.append_line(path, message)
 
     return log
 
@@ -428,7 +429,7 @@ def train_arms(
     out = Path(out)
     if train["nproc"] > 1:
         if train["data_mode"] == "online":  # the text first, in one process (self-distillation is long)
-            ensure_text(params, out, load_target(params, params["run"]["device"]))
+            ensure_text(params, out, Target.from_params(params["target"], params["run"]["device"]))
         launch(params, out, run_dir, resume=resume)
         return {arm: ArmResult.read(out / arm) for arm in train["arms"]}
     procs = Processes.start(params["run"]["device"])
@@ -440,20 +441,41 @@ def arms_data(params: dict, out: Path, run_dir: Path | None, procs: Processes) -
     """What every arm trains on: captured hidden states (offline), or the target in the loop (online)."""
     if params["train"]["data_mode"] == "online":
         return online_training_data(params, out, procs.device, procs.main, procs.barrier)
-    return training_data(params["train"], run_dir)
+    return offline_training_data(params["train"], run_dir)
+
+
+def offline_training_data(train: dict, run_dir: str | os.PathLike | None) -> TrainingData:
+    """The trainer's inputs from captured hidden states: `train.data` (else this run's 00_prepare_data) and
+    `train.vocab_map` (else that data folder's vocab map)."""
+    if train["data"]:
+        folder = files.resolve_path(train["data"])
+    elif run_dir is not None:
+        folder = prepared_dir(run_dir)
+    else:
+        raise DataError("train.data is empty and there is no run folder to take 00_prepare_data's data from")
+    # a SpecForge or speculators dump carries no target head and no aux ids: the recipe names them
+    head = files.resolve_path(train["target_head"]) if train["target_head"] else None
+    reader = open_reader(folder, head=head, aux_layer_ids=train["aux_layer_ids"] or None)
+    captured_from = (reader.manifest.get("target") or {}).get("name")
+    return TrainingData(
+        reader=reader,
+        vocab_map=training_vocab_map(train, folder, reader.vocab_size),
+        head=reader.head,
+        target_hidden_size=reader.hidden_size,
+        vocab_size=reader.vocab_size,
+        aux_layer_ids=list(reader.aux_layer_ids),
+        target=captured_from or str(folder),
+        verifier=captured_from,
+    )
 
 
 def stand_in_key(params: dict, target_fingerprint: str) -> str:
     """What decides a stand-in source drafter's weights: the target, the source data, the schedule."""
-    data, train = params["data"], params["train"]
-    ignored = set(RESUME_FREE) | {"data", "vocab_map", "drafter", "allow_no_remap", "remap_missing", "steps"}
     decisive = {
         "target": target_fingerprint,
         "seed": params["run"]["seed"],
-        "data": {key: data[key] for key in ("source_corpus", "num_tokens", "text", "loss_turns",
-                                             "max_new_tokens", "regenerate", "prompt_chars", "seq_len",
-                                             "dtype", "heldout_fraction", "draft_vocab_size")},
-        "train": {key: value for key, value in train.items() if key not in ignored},
+        "data": {key: params["data"][key] for key in STAND_IN_DATA_KEYS},
+        "train": {key: params["train"][key] for key in STAND_IN_TRAIN_KEYS},
         "steps": params["stand_in"]["steps"],
     }
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()[:16]
@@ -488,8 +510,6 @@ def train_stand_in(params: dict, run_dir: Path, target_fingerprint: str, cache: 
     `00_prepare_data/source/` data (`data.source_corpus`, with that corpus's own vocab map), with the
     `train` settings for `stand_in.steps` steps. Reruns with the same target, data and schedule reuse it.
     """
-    from eagle3lib.data import prepared_dir
-
     cached = stand_in_path(params, target_fingerprint, cache)
     if cached.exists():
         return cached
@@ -499,7 +519,7 @@ def train_stand_in(params: dict, run_dir: Path, target_fingerprint: str, cache: 
         result = train_arms(stand_in, Path(work) / "train", run_dir)["scratch"]
         staged = Path(work) / "drafter"
         shutil.copytree(result.drafter, staged)
-        runs.atomic_write_text(staged / "stand_in.json", json.dumps(
+        files.atomic_write_text(staged / "stand_in.json", json.dumps(
             {"key_numbers": result.key_numbers(), "steps": result.steps, "seconds": result.seconds,
              "source_corpus": params["data"]["source_corpus"]}, indent=2) + "\n")
         os.replace(staged, cached)  # the cache never holds a half-written drafter
@@ -508,9 +528,9 @@ def train_stand_in(params: dict, run_dir: Path, target_fingerprint: str, cache: 
 
 def launch(params: dict, out: Path, run_dir: Path | None = None, resume: bool = False) -> None:
     """Run `torchrun --nproc_per_node N -m eagle3lib.train` on these params, echoing its log as it goes."""
-    runs.make_folder(out)
+    files.make_folder(out)
     params_file = out / "train_params.yaml"
-    runs.atomic_write_text(params_file, yaml.safe_dump(params, sort_keys=False))
+    files.atomic_write_text(params_file, yaml.safe_dump(params, sort_keys=False))
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={params['train']['nproc']}",
@@ -523,7 +543,7 @@ def launch(params: dict, out: Path, run_dir: Path | None = None, resume: bool = 
     log_path = out / "torchrun.log"
     print("launching:", " ".join(command), flush=True)
     with log_path.open("w") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=runs.REPO_ROOT)
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=files.REPO_ROOT)
         with log_path.open() as follow:
             while process.poll() is None:
                 _echo(follow)
@@ -548,9 +568,9 @@ def recipe_for_training(
 ) -> tuple[dict, Path, Path]:
     """(params with '@' paths resolved, the arms' output folder, the run folder) for a training command:
     output by default `outputs/<run.name>/04_finetune`, run folder by default the output's parent."""
-    params = runs.load_params(params_file, overrides)
-    out = runs.resolve_path(out or Path(runs.OUTPUTS_DIR, params["run"]["name"], "04_finetune"))
-    run_dir = runs.resolve_path(run_dir) if run_dir else out.parent
+    params = load_params(params_file, overrides)
+    out = files.resolve_path(out or Path(runs.OUTPUTS_DIR, params["run"]["name"], runs.FINETUNE))
+    run_dir = files.resolve_path(run_dir) if run_dir else out.parent
     return runs.resolve_run_paths(params, run_dir), out, run_dir
 
 

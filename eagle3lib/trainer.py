@@ -11,9 +11,7 @@ import contextlib
 import json
 import math
 import os
-import pickle
 import random
-import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -26,9 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from eagle3lib import runs
+from eagle3lib import files
 from eagle3lib.checkpoint import load_drafter, save_drafter
-from eagle3lib.data import TrainingData
 from eagle3lib.devices import fast_bf16, resolve_device
 from eagle3lib.loss import (
     StepSums,
@@ -42,12 +39,26 @@ from eagle3lib.loss import (
     weighted_loss,
 )
 from eagle3lib.model import Eagle3Drafter
+from eagle3lib.params import RESUME_FREE
 from eagle3lib.progress import progress as progress_bar
+from eagle3lib.readers import BatchReader
+from eagle3lib.vocab import VocabMap
 
 STATE_FILE = "training_state.pt"
-# train params that do not change what is computed: a resumed run may set them differently
-RESUME_FREE = ("arms", "nproc", "log_every", "checkpoint_every", "keep_checkpoints", "check_batches",
-               "check_enforce", "save_speculators")
+
+
+@dataclass
+class TrainingData:
+    """What the trainer reads: batches, and what it needs besides them."""
+
+    reader: BatchReader
+    vocab_map: VocabMap
+    head: dict[str, torch.Tensor]  # the target's embed_tokens / norm / lm_head weights
+    target_hidden_size: int
+    vocab_size: int
+    aux_layer_ids: list[int]
+    target: str  # the target's name, for messages
+    verifier: str | None = None  # the target the data was captured from, where the data names it
 
 
 class TrainingError(ValueError):
@@ -363,7 +374,7 @@ class Trainer:
                     **summarize(self.window, self.weights),
                 }
                 if procs.main:
-                    runs.append_line(metrics_path, json.dumps(last))
+                    files.append_line(metrics_path, json.dumps(last))
                 progress.set_postfix(loss=f"{last['loss']:.3f}", acc_0=f"{100 * last['acc_0']:.1f} %",
                                      tau=f"{last['tau']:.2f}")
                 self.window.zero_()
@@ -385,7 +396,7 @@ class Trainer:
         temporary folder and renamed into place; older ones beyond `keep_checkpoints` are removed."""
         path = self.checkpoint_dir / f"step_{self.step:06d}"
         if self.procs.main:
-            with runs.staged_folder(path, replace=True) as staging:
+            with files.staged_folder(path, replace=True) as staging:
                 save_drafter(self.drafter, staging / "drafter", layout="sglang")
                 save_state(
                     {
@@ -449,8 +460,8 @@ class Trainer:
                          "without their newline)")
             lines = whole.splitlines()
             kept = [line for number, line in enumerate(lines, 1)
-                    if runs.json_line(line, metrics_path, number)["step"] <= self.step]
-            runs.atomic_write_text(metrics_path, "".join(line + "\n" for line in kept))
+                    if files.json_line(line, metrics_path, number)["step"] <= self.step]
+            files.atomic_write_text(metrics_path, "".join(line + "\n" for line in kept))
         self.log(f"resumed from {path} at step {self.step}")
 
 
@@ -461,23 +472,13 @@ def save_state(state: dict, file: Path) -> None:
         with open(file, "wb") as handle:
             torch.save(state, handle)
     except Exception as err:
-        raise runs.write_failure(file, err) from err
+        raise files.write_failure(file, err) from err
 
 
 def load_state(file: Path) -> dict:
     """A training state, read by a weights-only load: tensors, containers, numbers and strings, never the
     code a pickle can carry. A file that needs more was not written by this trainer and is refused."""
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        needs = found[1] if found else str(err).splitlines()[0]
-        raise TrainingError(
-            f"{file}: refused, it needs {needs}, which only an unsafe unpickler rebuilds (running code from "
-            "the file); a training state of eagle3lib holds tensors, numbers and strings only"
-        ) from err
-    except Exception as err:  # a damaged file: torch raises several types
-        raise TrainingError(f"{file}: not a readable training state ({err})") from err
+    return files.load_weights_only(file, TrainingError)
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:

@@ -16,9 +16,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
-from eagle3lib.runs import save_safetensors, shareable, staging_path
+from eagle3lib.files import (
+    load_weights_only,
+    read_safetensors,
+    read_safetensors_header,
+    save_safetensors,
+    shareable,
+    staging_path,
+)
 
 
 class VocabMapError(ValueError):
@@ -266,11 +272,9 @@ class VocabMap:
 
 
 def _read_safetensors(path: Path, names: tuple[str, ...]) -> dict:
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            return {name: handle.get_tensor(name) for name in names if name in handle.keys()}
-    except Exception as err:  # safetensors raises its own error types for corrupt headers
-        raise VocabMapError(f"{path}: not a readable safetensors file: {err}") from err
+    """Those of `names` the file holds."""
+    held = read_safetensors_header(path, VocabMapError).tensors
+    return read_safetensors(path, [name for name in names if name in held], VocabMapError)
 
 
 def _load_npy_pair(folder: Path) -> dict:
@@ -306,10 +310,7 @@ def _load_checkpoint_dir(folder: Path) -> dict:
 
 
 def _load_torch_file(path: Path) -> dict:
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # pickle errors come in many types
-        raise VocabMapError(f"{path}: not a readable torch.save file: {err}") from err
+    obj = load_weights_only(path, VocabMapError)
     if isinstance(obj, dict) and ("d2t" in obj or "t2d" in obj):
         return {name: obj[name] for name in ("d2t", "t2d") if name in obj}
     if isinstance(obj, dict) and obj and all(isinstance(k, int) for k in obj):

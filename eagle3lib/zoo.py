@@ -41,8 +41,8 @@ from unittest import mock
 
 import torch
 
+from eagle3lib.files import resolve_path, shareable_tree, staging_path
 from eagle3lib.progress import live_bar_class, progress, quiet_hf_loading
-from eagle3lib.runs import resolve_path, shareable_tree, staging_path
 
 ZOO_PREFIX = "zoo:"
 SMOLLM2 = "smollm2-135m-instruct"

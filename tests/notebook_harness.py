@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3lib import runs
+from eagle3lib import files, runs
 
 
 def run_notebook(
@@ -23,7 +23,7 @@ def run_notebook(
         source,
         Path(run_dir) / source.name,
         {
-            "params_file": str(runs.resolve_path(params_file)),
+            "params_file": str(files.resolve_path(params_file)),
             "run_dir": str(run_dir),
             "overrides": overrides or {},
             "overwrite": False,

@@ -26,35 +26,25 @@ from eagle3lib.config import (
 )
 from eagle3lib.model import Eagle3Drafter
 from eagle3lib.vocab import VocabMap
+from tests.tiny import tiny_drafter_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators-0.9.0"
 CLEAN = "13 loaded, 2 skipped (d2t, t2d), 0 missing, 0 unexpected"
 
 
 def project_drafter(dtype: torch.dtype = torch.float32, **overrides) -> Eagle3Drafter:
-    fields = dict(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=48,
-        vocab_size=80,
-        draft_vocab_size=20,
-        target_hidden_size=24,
-        aux_layer_ids=[1, 3, 4],
-        norm_before_residual=True,
+    config = tiny_drafter_config(
+        **{"vocab_size": 80, "draft_vocab_size": 20, "target_hidden_size": 24, "norm_before_residual": True,
+           **overrides}
     )
-    fields.update(overrides)
     torch.manual_seed(0)
-    drafter = Eagle3Drafter(DrafterConfig(**fields))
-    vocab = VocabMap.from_ids(
-        torch.randperm(fields["vocab_size"])[: fields["draft_vocab_size"]].sort().values, 80
-    )
+    drafter = Eagle3Drafter(config)
+    vocab = VocabMap.from_ids(torch.randperm(config.vocab_size)[: config.draft_vocab_size].sort().values, 80)
     drafter.d2t.copy_(vocab.d2t)
     drafter.t2d.copy_(vocab.t2d)
     drafter = drafter.to(dtype)
     # the target's embedding, which a speculators-layout save writes as embed_tokens.weight
-    drafter.attach_embedding(torch.randn(fields["vocab_size"], fields["hidden_size"]).to(dtype))
+    drafter.attach_embedding(torch.randn(config.vocab_size, config.hidden_size).to(dtype))
     return drafter
 
 
@@ -202,17 +192,9 @@ def test_written_rope_settings_parse_the_same_in_transformers():
 
 def test_configs_read_back_equal(tmp_path):
     scaling = {"type": "linear", "factor": 2.0}  # legacy "type" key is normalised
-    config = DrafterConfig(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=8,
-        intermediate_size=48,
-        vocab_size=80,
-        draft_vocab_size=80,
-        rope_scaling=scaling,
-        aux_layer_ids=None,
-        verifier="some/target",
+    config = tiny_drafter_config(
+        num_key_value_heads=4, vocab_size=80, draft_vocab_size=80, target_hidden_size=None,
+        aux_layer_ids=None, rope_scaling=scaling, verifier="some/target",
     )
     assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     for layout, raw in (("sglang", to_sglang_dict(config)), ("speculators", to_speculators_dict(config))):

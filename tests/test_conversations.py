@@ -19,6 +19,7 @@ from eagle3lib.conversations import (
     read_conversations,
 )
 from eagle3lib.data import DataError
+from eagle3lib.params import load_params
 
 CHAT = [
     {"role": "system", "content": "You answer in one sentence."},
@@ -291,13 +292,12 @@ def conversation_file(tmp_path, n=24):
 
 @pytest.mark.parametrize("text", ["conversation", "regenerate"])
 def test_prepare_reads_conversations_and_reports_what_it_read(tmp_path, text):
-    from eagle3lib import runs
     from eagle3lib.capture import REGENERATED_DIR, prepare_for_run
-    from eagle3lib.data import DataReader
+    from eagle3lib.readers import open_reader
     from eagle3lib.target import Target
 
     path = conversation_file(tmp_path)
-    params = runs.load_params(
+    params = load_params(
         None,
         {
             "run": {"device": "cpu"},
@@ -319,7 +319,7 @@ def test_prepare_reads_conversations_and_reports_what_it_read(tmp_path, text):
     target = Target.load("zoo:tiny-llama", dtype="float32", device="cpu")
     found = prepare_for_run(target, params, "main", tmp_path / "run")
     assert found["conversations"]["read"] >= 1 and found["conversations"]["skipped"] == {}
-    reader = DataReader(tmp_path / "run" / "00_prepare_data", target)
+    reader = open_reader(tmp_path / "run" / "00_prepare_data", target)
     train_ids = {c.id for c in sources.split_conversations(str(path), "train", 0.2)}
     renderer = ChatRenderer(target.tokenizer, target.stop_token_ids)
     samples = list(reader.samples())
@@ -431,7 +431,7 @@ def test_a_text_corpus_is_regenerated_as_chat_prompts(tmp_path, capsys):
 
 def test_online_training_reads_conversations_as_00_does(tmp_path):
     from eagle3lib import online, runs
-    from eagle3lib.data import load_tensors
+    from eagle3lib.files import read_safetensors
     from eagle3lib.target import Target
 
     path = conversation_file(tmp_path)
@@ -459,7 +459,7 @@ def test_online_training_reads_conversations_as_00_does(tmp_path):
         manifest["provenance"]["conversations"]["skipped"] == {}
         and manifest["provenance"]["loss_turns"] == "last"
     )
-    text = load_tensors(tmp_path / "04_finetune" / online.FOLDER / online.TEXT_FILE)
+    text = read_safetensors(tmp_path / "04_finetune" / online.FOLDER / online.TEXT_FILE)
     renderer = ChatRenderer(target.tokenizer, target.stop_token_ids, loss_turns="last")
     train_ids = {c.id for c in sources.split_conversations(str(path), "train", 0.2)}
     rendered = {c.id: renderer.render(c, 64) for c in read_conversations(path) if c.id in train_ids}

@@ -10,9 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3lib import capture, runs, sources, zoo
+from eagle3lib import capture, sources, zoo
 from eagle3lib.capture import DataWriter
-from eagle3lib.data import DataError, DataReader
+from eagle3lib.data import DataError
+from eagle3lib.params import DEFAULTS
+from eagle3lib.readers import open_reader
 from eagle3lib.target import Target
 
 H, A, VT = 8, 3, 50
@@ -89,7 +91,7 @@ def test_round_trip_through_shards(folder):
         "token_counts.safetensors",
     ]
 
-    reader = DataReader(path)
+    reader = open_reader(path)
     assert (reader.hidden_size, reader.vocab_size, reader.aux_layer_ids) == (H, VT, [1, 2, 3])
     for got, want in zip(reader.samples(), samples, strict=True):
         assert got.keys() == want.keys()
@@ -105,7 +107,7 @@ def test_round_trip_through_shards(folder):
 
 def test_batches_pad_and_cut_long_samples_into_windows(folder):
     path, samples = folder
-    batches = list(DataReader(path).batches(batch_size=4, seq_len=10, shuffle=False))
+    batches = list(open_reader(path).batches(batch_size=4, seq_len=10, shuffle=False))
     # windows: 7 | 10 2 | 3 | 10 10 5 | 9 | 2  → 9 windows → batches of 4, 4, 1
     assert [b["input_ids"].shape for b in batches] == [(4, 10), (4, 10), (1, 2)]
     first = batches[0]
@@ -130,7 +132,7 @@ def test_batches_pad_and_cut_long_samples_into_windows(folder):
 
 def test_shuffle_is_seeded_and_covers_everything(folder):
     path, samples = folder
-    reader = DataReader(path)
+    reader = open_reader(path)
     one = [s["input_ids"].tolist() for s in reader.samples(shuffle=True, seed=3)]
     assert one == [s["input_ids"].tolist() for s in reader.samples(shuffle=True, seed=3)]
     assert one != [s["input_ids"].tolist() for s in reader.samples(shuffle=True, seed=4)]
@@ -158,7 +160,7 @@ def test_writer_refuses_an_existing_folder_and_leaves_nothing_on_failure(tmp_pat
 def test_bf16_storage(tmp_path):
     samples = synthetic_samples([5, 6])
     path = write_folder(tmp_path / "bf16", samples, dtype=torch.bfloat16)
-    got = list(DataReader(path).samples())
+    got = list(open_reader(path).samples())
     assert got[0]["aux_hidden_states"].dtype == torch.bfloat16
     assert torch.equal(got[1]["last_hidden_state"], samples[1]["last_hidden_state"].bfloat16())
 
@@ -171,7 +173,7 @@ def test_truncated_shard_is_named(folder):
     shard = path / "shard_00001.safetensors"
     shard.write_bytes(shard.read_bytes()[:-100])
     with pytest.raises(DataError, match="shard_00001.safetensors.*truncated"):
-        DataReader(path)
+        open_reader(path)
 
 
 def test_shard_with_other_shapes_is_named(folder):
@@ -181,7 +183,7 @@ def test_shard_with_other_shapes_is_named(folder):
     tensors["aux_hidden_states"] = tensors["aux_hidden_states"][:, : 2 * H].contiguous()
     save_file(tensors, shard)
     with pytest.raises(DataError, match=r"shard_00002.safetensors: aux_hidden_states has shape \[11, 16\]"):
-        DataReader(path)
+        open_reader(path)
 
 
 @pytest.mark.parametrize(
@@ -201,20 +203,20 @@ def test_manifest_disagreeing_with_the_shards_is_refused(folder, edit, message):
     edit(manifest)
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DataError, match=message):
-        DataReader(path)
+        open_reader(path)
 
 
 def test_missing_side_files_and_non_folders(folder, tmp_path):
     path, _ = folder
     (path / "token_counts.safetensors").unlink()
     with pytest.raises(DataError, match="token_counts.safetensors: missing"):
-        DataReader(path)
+        open_reader(path)
     (path / "manifest.json").write_text("{not json")
     with pytest.raises(DataError, match="manifest.json: not valid JSON"):
-        DataReader(path)
+        open_reader(path)
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="not a data folder"):
-        DataReader(tmp_path / "empty")
+        open_reader(tmp_path / "empty")
 
 
 class FakeTarget:
@@ -223,17 +225,17 @@ class FakeTarget:
 
 def test_the_target_trained_against_must_be_the_captured_one(folder):
     path, _ = folder
-    DataReader(path, FakeTarget())  # the same one: fine
+    open_reader(path, FakeTarget())  # the same one: fine
     other = FakeTarget()
     other.fingerprint = "ffff0000"
     with pytest.raises(DataError, match="manifest.json.*fingerprint ffff0000 vs the data's 0123abcd"):
-        DataReader(path, other)
+        open_reader(path, other)
     other = FakeTarget()
     other.hidden_size, other.num_layers = 2 * H, 3
     with pytest.raises(
         DataError, match=r"hidden size 16 vs the data's 8.*aux layers \[1, 2, 3\] outside its 3"
     ):
-        DataReader(path, other)
+        open_reader(path, other)
 
 
 # ---------------------------------------------------------------- capture from a real (tiny) target
@@ -245,10 +247,10 @@ def tiny() -> Target:
 
 
 def test_prepare_raw_text_matches_a_fresh_capture(tiny, tmp_path):
-    data = {**runs.DEFAULTS["data"], "corpus": "stdlib-code", "num_tokens": 300, "seq_len": 64,
+    data = {**DEFAULTS["data"], "corpus": "stdlib-code", "num_tokens": 300, "seq_len": 64,
             "batch_size": 3, "dtype": "float32", "shard_tokens": 128}
     path = capture.prepare(tiny, data, tmp_path / "code")
-    reader = DataReader(path, tiny)
+    reader = open_reader(path, tiny)
     assert reader.manifest["num_tokens"] >= 300 and len(reader.manifest["shards"]) >= 2
     assert reader.manifest["provenance"]["corpus"] == "stdlib-code"
     assert reader.aux_layer_ids == tiny.default_aux_layer_ids
@@ -318,8 +320,8 @@ def test_specforge_dump(tmp_path, head_file):
     samples = synthetic_samples([6, 9, 4])
     write_specforge_dump(tmp_path / "dump", samples)
     with pytest.raises(DataError, match="no target head"):
-        list(DataReader(tmp_path / "dump").samples())
-    reader = DataReader(tmp_path / "dump", head=head_file, aux_layer_ids=[1, 2, 3])
+        list(open_reader(tmp_path / "dump").samples())
+    reader = open_reader(tmp_path / "dump", head=head_file, aux_layer_ids=[1, 2, 3])
     assert (reader.format, reader.hidden_size, reader.num_samples, reader.vocab_size) == (
         "specforge",
         H,
@@ -352,12 +354,12 @@ def test_specforge_dump_errors_name_the_file(tmp_path, head_file):
         bad,
     )
     with pytest.raises(DataError, match="data_1.ckpt: hidden states of widths 8 / 16"):
-        list(DataReader(tmp_path / "dump", head=head_file).samples())
+        list(open_reader(tmp_path / "dump", head=head_file).samples())
     torch.save({"input_ids": samples[1]["input_ids"]}, bad)
     with pytest.raises(DataError, match="data_1.ckpt: a SpecForge sample needs keys"):
-        list(DataReader(tmp_path / "dump", head=head_file).samples())
+        list(open_reader(tmp_path / "dump", head=head_file).samples())
     with pytest.raises(DataError, match="holds 3 aux states per token"):
-        DataReader(tmp_path / "dump", head=head_file, aux_layer_ids=[1, 2])
+        open_reader(tmp_path / "dump", head=head_file, aux_layer_ids=[1, 2])
 
 
 def test_speculators_dump(tmp_path, head_file):
@@ -372,8 +374,8 @@ def test_speculators_dump(tmp_path, head_file):
         states = torch.cat([s["aux_hidden_states"].reshape(-1, A, H), last[:, None]], dim=1)  # [T, 4, H]
         save_file({"hidden_states": states, "token_ids": s["input_ids"]}, dump / f"hs_{i}.safetensors")
     with pytest.raises(DataError, match="hs_0.safetensors: no loss_mask.*assume_full_loss_mask"):
-        list(DataReader(dump, head=head_file).samples())
-    reader = DataReader(dump, head=head_file, assume_full_loss_mask=True)
+        list(open_reader(dump, head=head_file).samples())
+    reader = open_reader(dump, head=head_file, assume_full_loss_mask=True)
     assert (reader.format, reader.num_aux_layers, reader.hidden_size) == ("speculators", 3, H)
     head = synthetic_head()
     for got, want, last in zip(reader.samples(), samples, pre_norm, strict=True):
@@ -389,4 +391,4 @@ def test_speculators_dump(tmp_path, head_file):
         dump / "hs_2.safetensors",
     )
     with pytest.raises(DataError, match=r"hs_2.safetensors: hidden_states has shape \[4, 8\]"):
-        list(DataReader(dump, head=head_file, assume_full_loss_mask=True).samples())
+        list(open_reader(dump, head=head_file, assume_full_loss_mask=True).samples())

@@ -16,9 +16,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3lib import engines, evaluate
 from eagle3lib.checkpoint import save_drafter
-from eagle3lib.config import DrafterConfig, read_config
+from eagle3lib.config import read_config
 from eagle3lib.model import Eagle3Drafter
-from eagle3lib.runs import ParamsError
+from eagle3lib.params import ParamsError
+from tests.tiny import tiny_drafter_config
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +35,9 @@ def target_dir(tmp_path_factory):
 
 
 def save_tiny_drafter(folder, layout="sglang", vocab=64, hidden=32, aux=(0, 1, 3)):
-    config = DrafterConfig(
-        hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-        vocab_size=vocab, draft_vocab_size=16, aux_layer_ids=list(aux) if aux is not None else None,
+    config = tiny_drafter_config(
+        hidden_size=hidden, intermediate_size=64, vocab_size=vocab, draft_vocab_size=16,
+        target_hidden_size=None, aux_layer_ids=list(aux) if aux is not None else None,
     )
     torch.manual_seed(0)
     return save_drafter(Eagle3Drafter(config), folder, layout, engines=("vLLM",))  # vLLM brings the embedding

@@ -1,4 +1,5 @@
-"""The package's house rules: imports run one way, so no module imports one that imports it back."""
+"""The package's house rules: imports run one way, floor by floor, so no module imports one that imports it
+back, and the ground floor imports nothing of the package."""
 
 from __future__ import annotations
 
@@ -6,6 +7,19 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "eagle3lib"
+
+# The floors, bottom first: a module imports only from its own floor and the ones below (README, "Layout").
+FLOORS = (
+    ("ground", {"files", "progress", "devices", "intervals", "loss", "ttt_attention"}),
+    ("parameters and runs", {"params", "runs"}),
+    ("the drafter", {"config", "vocab", "model", "checkpoint"}),
+    ("the target", {"zoo", "target"}),
+    ("data", {"data", "conversations", "sources", "benchmarks", "readers"}),
+    ("decoding", {"speculate", "probe", "engines", "evaluate"}),
+    ("making drafters", {"remap", "regenerate", "capture", "online", "trainer", "train"}),
+    ("reports", {"plots", "report", "publish"}),
+    ("the command", {"cli"}),
+)
 
 
 def imports_of(path: Path, modules: set[str]) -> set[str]:
@@ -20,9 +34,13 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
     return found - {path.stem}
 
 
-def test_no_import_circle():
+def package_graph() -> dict[str, set[str]]:
     modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
-    graph = {m: imports_of(PACKAGE / f"{m}.py", modules) for m in modules}
+    return {m: imports_of(PACKAGE / f"{m}.py", modules) for m in modules}
+
+
+def test_no_import_circle():
+    graph = package_graph()
     state: dict[str, str] = {}
 
     def visit(module: str, path: list[str]) -> None:
@@ -33,8 +51,19 @@ def test_no_import_circle():
                 visit(dep, [*path, module])
         state[module] = "done"
 
-    for module in sorted(modules):
+    for module in sorted(graph):
         if module not in state:
             visit(module, [])
-    # the bottom of the house
-    assert graph["runs"] <= {"progress", "devices"} and not graph["progress"] and not graph["devices"]
+
+
+def test_imports_run_down_the_floors():
+    graph = package_graph()
+    floor_of = {module: i for i, (_, modules) in enumerate(FLOORS) for module in modules}
+    assert set(floor_of) == set(graph), f"modules on no floor: {sorted(set(graph) - set(floor_of))}"
+    upward = [
+        f"{module} ({FLOORS[floor_of[module]][0]}) imports {dep} ({FLOORS[floor_of[dep]][0]})"
+        for module, deps in sorted(graph.items()) for dep in sorted(deps) if floor_of[dep] > floor_of[module]
+    ]
+    assert not upward, "imports that run up: " + "; ".join(upward)
+    ground = FLOORS[0][1]
+    assert not any(graph[module] for module in ground), "the ground floor imports nothing of the package"

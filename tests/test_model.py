@@ -6,8 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3lib.config import ConfigError, DrafterConfig
+from eagle3lib.config import ConfigError
 from eagle3lib.model import Eagle3Drafter
+from tests.tiny import tiny_drafter_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators-0.9.0"
 SGLANG_KEYS = {
@@ -32,26 +33,9 @@ CUDA = pytest.param("cuda", marks=NO_CUDA)
 DEVICES = ["cpu", CUDA]
 
 
-def tiny_config(**overrides) -> DrafterConfig:
-    fields = dict(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=48,
-        vocab_size=64,
-        draft_vocab_size=24,
-        target_hidden_size=40,
-        aux_layer_ids=[1, 3, 4],
-        rope_theta=10000.0,
-    )
-    fields.update(overrides)
-    return DrafterConfig(**fields)
-
-
 def tiny_drafter(seed: int = 0, **overrides) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    drafter = Eagle3Drafter(tiny_config(**overrides))
+    drafter = Eagle3Drafter(tiny_drafter_config(**overrides))
     with torch.no_grad():  # norms away from 1 so that every weight matters
         for name, p in drafter.named_parameters():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
@@ -76,7 +60,7 @@ def fixture_drafter(name: str) -> tuple[Eagle3Drafter, dict]:
     return drafter.eval(), load_file(FIXTURES / f"{name}_reference.safetensors")
 
 
-# ------------------------------------------------------------------------ plain reference (FORMATS.md §1)
+# ------------------------------------------------------------------ plain reference (docs/formats.md §1)
 
 
 def reference_forward(drafter: Eagle3Drafter, input_ids, aux, position_ids) -> torch.Tensor:
@@ -272,12 +256,12 @@ def test_cache_and_mask_errors():
 
 
 def test_parameter_names_are_the_sglang_checkpoint_keys():
-    drafter = Eagle3Drafter(tiny_config())
+    drafter = Eagle3Drafter(tiny_drafter_config())
     assert set(drafter.state_dict()) == SGLANG_KEYS | {"d2t", "t2d"}
     drafter.attach_embedding(torch.randn(64, 32))
     assert set(drafter.state_dict()) == SGLANG_KEYS | {"d2t", "t2d"}  # the target's embedding is never saved
     assert not any(name.startswith("target_embedding") for name, _ in drafter.named_parameters())
-    owned = Eagle3Drafter(tiny_config(), embed_tokens=True)
+    owned = Eagle3Drafter(tiny_drafter_config(), embed_tokens=True)
     assert set(owned.state_dict()) == SGLANG_KEYS | {"d2t", "t2d", "embed_tokens.weight"}
     assert not owned.embed_tokens.weight.requires_grad
     assert drafter.lm_head.weight.shape == (24, 32) and drafter.fc.weight.shape == (32, 120)
@@ -285,12 +269,12 @@ def test_parameter_names_are_the_sglang_checkpoint_keys():
 
 
 def test_embedding_is_required_and_checked():
-    drafter = Eagle3Drafter(tiny_config())
+    drafter = Eagle3Drafter(tiny_drafter_config())
     with pytest.raises(RuntimeError, match="attach_embedding"):
         drafter(torch.zeros(1, 2, dtype=torch.long), torch.randn(1, 2, 120))
     with pytest.raises(ValueError, match=r"expected \[64, 32\]"):
         drafter.attach_embedding(torch.randn(63, 32))
-    owned = Eagle3Drafter(tiny_config(), embed_tokens=True)
+    owned = Eagle3Drafter(tiny_drafter_config(), embed_tokens=True)
     target = torch.randn(64, 32)
     owned.attach_embedding(target)  # the target's replaces the carried one, as the engines do
     assert "embed_tokens.weight" not in owned.state_dict()
@@ -298,7 +282,7 @@ def test_embedding_is_required_and_checked():
 
 
 def test_draft_to_target_uses_d2t_offsets():
-    drafter = Eagle3Drafter(tiny_config())
+    drafter = Eagle3Drafter(tiny_drafter_config())
     drafter.d2t.copy_(torch.arange(24) * 2 % 40)
     ids = torch.tensor([[0, 5, 23]])
     assert torch.equal(drafter.draft_to_target(ids), ids + (ids * 2 % 40))
@@ -311,7 +295,7 @@ def test_draft_to_target_uses_d2t_offsets():
 def test_refused_options_name_themselves(option):
     name = next(iter(option)) if len(option) == 1 else "feeds norm"
     with pytest.raises(ConfigError, match=name):
-        Eagle3Drafter(tiny_config(**option))
+        Eagle3Drafter(tiny_drafter_config(**option))
 
 
 def test_scaled_rope_matches_transformers():
@@ -326,7 +310,7 @@ def test_scaled_rope_matches_transformers():
         "original_max_position_embeddings": 64,
     }
     drafter = Eagle3Drafter(
-        tiny_config(rope_scaling=scaling, rope_theta=500000.0, max_position_embeddings=512)
+        tiny_drafter_config(rope_scaling=scaling, rope_theta=500000.0, max_position_embeddings=512)
     )
     positions = torch.arange(0, 300, 7)[None]
     cos, sin = drafter.rotary_emb(positions, torch.float32)
@@ -342,7 +326,7 @@ def test_scaled_rope_matches_transformers():
     hf_cos, hf_sin = hf(torch.zeros(1, 1, 8), positions)
     torch.testing.assert_close(cos, hf_cos)
     torch.testing.assert_close(sin, hf_sin)
-    plain = Eagle3Drafter(tiny_config(rope_theta=500000.0)).rotary_emb(positions, torch.float32)[0]
+    plain = Eagle3Drafter(tiny_drafter_config(rope_theta=500000.0)).rotary_emb(positions, torch.float32)[0]
     assert (plain - cos).abs().max() > 1e-3
 
 
@@ -369,7 +353,7 @@ def ttt_attention_inputs(steps: int, T: int = 7, dtype=torch.float64):
 
 @pytest.mark.parametrize("steps", [2, 4])
 def test_prefix_and_diagonals_attention_is_exact_with_exact_gradients(steps):
-    from eagle3lib.model import PrefixAndDiagonalsAttention
+    from eagle3lib.ttt_attention import PrefixAndDiagonalsAttention
 
     q, *kv = [t.requires_grad_() for t in ttt_attention_inputs(steps)]
     keys, values = kv[:steps], kv[steps:]
@@ -390,7 +374,11 @@ def test_prefix_and_diagonals_attention_is_exact_with_exact_gradients(steps):
 @pytest.mark.parametrize("score_elements", [300, 2**26])  # blocks of 3 query rows, or all 8 at once
 def test_blocked_causal_attention_matches_the_fused_kernel(score_elements, monkeypatch):
     """The off-CPU path (blocks of query rows in plain torch) against the CPU's fused kernel."""
-    from eagle3lib.model import BlockedCausalAttention, causal_attention_backward, causal_attention_with_lse
+    from eagle3lib.ttt_attention import (
+        BlockedCausalAttention,
+        causal_attention_backward,
+        causal_attention_with_lse,
+    )
 
     monkeypatch.setattr(BlockedCausalAttention, "score_elements", score_elements)
     q, k, v = ttt_attention_inputs(1, T=8)[:3]
@@ -409,7 +397,7 @@ def test_blocked_causal_attention_matches_the_fused_kernel(score_elements, monke
 @pytest.mark.parametrize("device", DEVICES)
 def test_unroll_gradients_match_the_masked_reference_in_bfloat16_autocast(device):
     """The trainer's setting, bf16 autocast over float32 weights: gradients as with masked attention."""
-    import eagle3lib.model as model
+    from eagle3lib import ttt_attention
 
     def masked_attend(cache, q, k, v, attention_mask):
         cache.keys.append(k)
@@ -427,12 +415,12 @@ def test_unroll_gradients_match_the_masked_reference_in_bfloat16_autocast(device
         return {name: p.grad.clone() for name, p in drafter.named_parameters()}
 
     fused = gradients()
-    original = model.TTTCache.attend
-    model.TTTCache.attend = masked_attend
+    original = ttt_attention.TTTCache.attend
+    ttt_attention.TTTCache.attend = masked_attend
     try:
         reference = gradients()
     finally:
-        model.TTTCache.attend = original
+        ttt_attention.TTTCache.attend = original
     for name, grad in fused.items():
         scale = reference[name].abs().max()
         assert (grad - reference[name]).abs().max() <= 0.02 * scale, name
@@ -453,13 +441,15 @@ def masked_attention_on_cpu(q, kv, dtype=torch.float64):
 def test_prefix_kernel_is_chosen_by_device_and_support(monkeypatch):
     """Device type picks the list of fused kernels; on CUDA torch's SDPA checks decide between flash, the
     memory-efficient kernel and the blocked path, asked about the inputs as the kernel will get them."""
-    from eagle3lib import model
+    from eagle3lib import ttt_attention
 
-    assert model.FUSED_PREFIX_KERNELS["cuda"] == (model.CUDA_FLASH_KERNEL, model.CUDA_EFFICIENT_KERNEL)
+    cuda_kernels = (ttt_attention.CUDA_FLASH_KERNEL, ttt_attention.CUDA_EFFICIENT_KERNEL)
+    assert ttt_attention.FUSED_PREFIX_KERNELS["cuda"] == cuda_kernels
     q, k, v = ttt_attention_inputs(1, T=5)[:3]  # 6 query heads over 2 key heads
-    assert model.prefix_attention_kernel(q, k, v) is model.CPU_FLASH_KERNEL
+    assert ttt_attention.prefix_attention_kernel(q, k, v) is ttt_attention.CPU_FLASH_KERNEL
     meta = [x.to("meta") for x in (q, k, v)]
-    assert model.prefix_attention_kernel(*meta) is model.BLOCKED_KERNEL  # no fused kernel on this device
+    # no fused kernel on this device
+    assert ttt_attention.prefix_attention_kernel(*meta) is ttt_attention.BLOCKED_KERNEL
 
     usable, asked = {}, []
 
@@ -472,20 +462,22 @@ def test_prefix_kernel_is_chosen_by_device_and_support(monkeypatch):
 
     monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention", answer("flash"))
     monkeypatch.setattr(torch.backends.cuda, "can_use_efficient_attention", answer("efficient"))
-    monkeypatch.setitem(model.FUSED_PREFIX_KERNELS, "cpu", model.FUSED_PREFIX_KERNELS["cuda"])  # CPU tensors
+    cuda_kernels = ttt_attention.FUSED_PREFIX_KERNELS["cuda"]
+    monkeypatch.setitem(ttt_attention.FUSED_PREFIX_KERNELS, "cpu", cuda_kernels)  # CPU tensors
     for flash, efficient, expected in [
-        (True, True, model.CUDA_FLASH_KERNEL),
-        (False, True, model.CUDA_EFFICIENT_KERNEL),
-        (False, False, model.BLOCKED_KERNEL),
+        (True, True, ttt_attention.CUDA_FLASH_KERNEL),
+        (False, True, ttt_attention.CUDA_EFFICIENT_KERNEL),
+        (False, False, ttt_attention.BLOCKED_KERNEL),
     ]:
         usable.update(flash=flash, efficient=efficient)
         asked.clear()
-        assert model.prefix_attention_kernel(q, k, v) is expected
+        assert ttt_attention.prefix_attention_kernel(q, k, v) is expected
         assert asked[0] == ("flash", q.shape, q.shape, True)  # key heads expanded to the query heads
-    with model.forced_prefix_kernel(model.BLOCKED_KERNEL):
-        assert model.prefix_attention_kernel(q, k, v) is model.BLOCKED_KERNEL
+    with ttt_attention.forced_prefix_kernel(ttt_attention.BLOCKED_KERNEL):
+        assert ttt_attention.prefix_attention_kernel(q, k, v) is ttt_attention.BLOCKED_KERNEL
     usable.update(flash=True)
-    assert model.prefix_attention_kernel(q, k, v) is model.CUDA_FLASH_KERNEL  # the forced kernel is undone
+    # the forced kernel is undone
+    assert ttt_attention.prefix_attention_kernel(q, k, v) is ttt_attention.CUDA_FLASH_KERNEL
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -493,9 +485,9 @@ def test_prefix_kernel_is_chosen_by_device_and_support(monkeypatch):
 def test_cuda_kernels_call_the_real_ops_as_their_schemas_say(kernel_name, dtype):
     """The real CUDA ops on meta tensors: torch binds every argument against the op's schema and its meta
     function gives the shapes the CUDA kernel would (the efficient kernel's log-sum-exp padded to 64 rows)."""
-    from eagle3lib import model
+    from eagle3lib import ttt_attention
 
-    kernel = getattr(model, kernel_name)
+    kernel = getattr(ttt_attention, kernel_name)
     q = torch.empty(2, 6, 40, 16, device="meta", dtype=dtype)
     k, v = (torch.empty(2, 2, 40, 16, device="meta", dtype=dtype) for _ in range(2))
     out, lse = kernel.forward(q, k, v)
@@ -537,7 +529,7 @@ class StandInCudaOps:
     def efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *,
                   scale=None):
         assert key.shape == query.shape and attn_bias is None and compute_log_sumexp and is_causal
-        from eagle3lib.model import efficient_lse_length
+        from eagle3lib.ttt_attention import efficient_lse_length
 
         StandInCudaOps.calls.append("efficient")
         out, lse = CPU_FLASH(query, key, value, is_causal=True)
@@ -548,7 +540,7 @@ class StandInCudaOps:
     @staticmethod
     def efficient_backward(grad_out_, query, key, value, attn_bias, out, logsumexp, philox_seed,
                            philox_offset, dropout_p, grad_input_mask, is_causal=False, *, scale=None):
-        from eagle3lib.model import efficient_lse_length
+        from eagle3lib.ttt_attention import efficient_lse_length
 
         T = query.shape[2]
         assert attn_bias is None and dropout_p == 0.0 and list(grad_input_mask) == [True, True, True, False]
@@ -565,7 +557,7 @@ class StandInCudaOps:
 def test_stand_in_cuda_ops_have_the_real_signatures(op):
     import inspect
 
-    from eagle3lib.model import CudaAttentionOps
+    from eagle3lib.ttt_attention import CudaAttentionOps
 
     schema = getattr(CudaAttentionOps, op)._schema
     parameters = inspect.signature(getattr(StandInCudaOps, op)).parameters.values()
@@ -578,16 +570,16 @@ def test_stand_in_cuda_ops_have_the_real_signatures(op):
 def test_cuda_kernel_code_with_stand_in_ops_is_exact(kernel_name, monkeypatch):
     """PrefixAndDiagonalsAttention on a CUDA kernel's code, its ops stood in for by the CPU's: output and
     gradients as the masked softmax's, to float64 rounding."""
-    from eagle3lib import model
+    from eagle3lib import ttt_attention
 
     for op in ("flash", "flash_backward", "efficient", "efficient_backward"):
-        monkeypatch.setattr(model.CudaAttentionOps, op, getattr(StandInCudaOps, op))
+        monkeypatch.setattr(ttt_attention.CudaAttentionOps, op, getattr(StandInCudaOps, op))
     StandInCudaOps.calls.clear()
     steps = 3
     q, *kv = [t.requires_grad_() for t in ttt_attention_inputs(steps, T=37)]  # lse padding: 37 -> 64 rows
     keys, values = kv[:steps], kv[steps:]
-    with model.forced_prefix_kernel(getattr(model, kernel_name)):
-        out = model.PrefixAndDiagonalsAttention.apply(q, keys[0], values[0], *keys[1:], *values[1:])
+    with ttt_attention.forced_prefix_kernel(getattr(ttt_attention, kernel_name)):
+        out = ttt_attention.PrefixAndDiagonalsAttention.apply(q, keys[0], values[0], *keys[1:], *values[1:])
         grad_out = torch.randn_like(out)
         grads = torch.autograd.grad(out, [q, *kv], grad_out)
     op = "flash" if kernel_name == "CUDA_FLASH_KERNEL" else "efficient"
@@ -608,24 +600,26 @@ ATTENTION_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 def test_fused_blocked_and_masked_attention_agree_on(device, dtype):
     """The TTT attention of step 3 on the device's fused kernel and on the blocked path, forward and backward,
     against the masked softmax in float64 (of the same rounded inputs)."""
-    from eagle3lib import model
+    from eagle3lib import ttt_attention
 
     steps = 4
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 8, 70, 16, generator=generator).to(device, dtype)  # 8 query heads over 2 key heads
     kv = [torch.randn(2, 2, 70, 16, generator=generator).to(device, dtype) for _ in range(2 * steps)]
     keys, values = kv[:steps], kv[steps:]
-    fused = model.prefix_attention_kernel(q, keys[0], values[0])
-    assert fused in model.FUSED_PREFIX_KERNELS[device]
+    fused = ttt_attention.prefix_attention_kernel(q, keys[0], values[0])
+    assert fused in ttt_attention.FUSED_PREFIX_KERNELS[device]
     reference, leaves = masked_attention_on_cpu(q, kv)
     grad_out = torch.randn(reference.shape, generator=generator, dtype=torch.float64)
     expected = [reference, *torch.autograd.grad(reference, leaves, grad_out)]
     names = ["out", "q", *(f"k{i}" for i in range(steps)), *(f"v{i}" for i in range(steps))]
-    for kernel in (fused, model.BLOCKED_KERNEL):
+    for kernel in (fused, ttt_attention.BLOCKED_KERNEL):
         inputs = [x.clone().requires_grad_() for x in (q, *kv)]
         q_, keys_, values_ = inputs[0], inputs[1 : 1 + steps], inputs[1 + steps :]
-        with model.forced_prefix_kernel(kernel):
-            out = model.PrefixAndDiagonalsAttention.apply(q_, keys_[0], values_[0], *keys_[1:], *values_[1:])
+        with ttt_attention.forced_prefix_kernel(kernel):
+            out = ttt_attention.PrefixAndDiagonalsAttention.apply(
+                q_, keys_[0], values_[0], *keys_[1:], *values_[1:]
+            )
             grads = torch.autograd.grad(out, inputs, grad_out.to(device, dtype))
         for name, got, want in zip(names, [out, *grads], expected, strict=True):
             assert got.dtype == dtype and got.device.type == device
@@ -656,7 +650,7 @@ def test_gpu_check_runs_its_training_step_code_on_the_cpu(monkeypatch, capsys):
     import argparse
     import sys
 
-    from eagle3lib.model import BLOCKED_KERNEL
+    from eagle3lib.ttt_attention import BLOCKED_KERNEL
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "bench"))
     import gpu_check

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from eagle3lib import data, runs
+from eagle3lib import data, readers
+from eagle3lib.params import load_params
 from eagle3lib.vocab import VocabMap
 from tests.notebook_harness import run_notebook
 
@@ -14,7 +15,7 @@ def test_prepare_data_notebook(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE3LIB_CACHE", str(tmp_path / "cache"))
     run_dir = tmp_path / "run"
     metrics = run_notebook("00_prepare_data", run_dir)
-    params = runs.load_params("params/smoke.yaml")
+    params = load_params("params/smoke.yaml")
     step = run_dir / "00_prepare_data"
     assert metrics["target"] == "zoo:tiny-llama" and metrics["aux_layer_ids"] == [1, 3, 4]
     for which, corpus in (("main", "stdlib-code"), ("source", "pydoc-prose")):
@@ -22,7 +23,7 @@ def test_prepare_data_notebook(tmp_path, monkeypatch):
         found = metrics[which]
         assert found["corpus"] == corpus and found["folder"] == str(folder)
         assert found["tokens"] >= params["data"]["num_tokens"]
-        reader = data.DataReader(folder)
+        reader = readers.open_reader(folder)
         assert reader.manifest["num_tokens"] == found["tokens"]
         assert reader.manifest["provenance"]["corpus"] == corpus
         vocab_map = VocabMap.load(folder / "vocab_map.safetensors", vt=49152)

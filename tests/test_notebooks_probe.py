@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from eagle3lib import runs
+from eagle3lib.params import load_params
 from tests.notebook_harness import run_notebook
 
 pytestmark = pytest.mark.usefixtures("one_thread_kernels")
 
 
 def test_01_then_05_under_smoke_params(tmp_path):
-    params = runs.load_params("params/smoke.yaml")
+    params = load_params("params/smoke.yaml")
     steps = params["probe"]["steps"]
 
     probed = run_notebook("01_probe_drafter", tmp_path)

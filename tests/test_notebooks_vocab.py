@@ -8,8 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3lib import runs
+from eagle3lib import files
 from eagle3lib.checkpoint import load_drafter
+from eagle3lib.params import ParamsError, load_params
 from eagle3lib.remap import notebook_inputs
 from eagle3lib.vocab import VocabMap
 from tests.notebook_harness import run_notebook
@@ -28,16 +29,16 @@ def test_the_smoke_maps_follow_their_recipe():
 
 
 def test_inputs_default_to_the_runs_earlier_steps(tmp_path):
-    params = runs.load_params("params/smoke.yaml", {"vocab": {"map_b": "", "counts": ""}})
+    params = load_params("params/smoke.yaml", {"vocab": {"map_b": "", "counts": ""}})
     with pytest.raises(FileNotFoundError, match=r"00_prepare_data/vocab_map.safetensors does not exist"):
         notebook_inputs(params, tmp_path, ("map_a", "map_b"))
     prepared = tmp_path / "00_prepare_data"
     VocabMap.load(FIXTURES / "vocab" / "new_map.safetensors").save(prepared / "vocab_map.safetensors")
     found = notebook_inputs(params, tmp_path, ("map_a", "map_b"))
     assert found["map_b"] == prepared / "vocab_map.safetensors"
-    assert found["map_a"] == runs.resolve_path(params["remap"]["source_drafter"])  # map_a "" = the drafter's
+    assert found["map_a"] == files.resolve_path(params["remap"]["source_drafter"])  # map_a "" = the drafter's
     params["remap"]["source_drafter"] = ""
-    with pytest.raises(runs.ParamsError, match="set remap.source_drafter"):
+    with pytest.raises(ParamsError, match="set remap.source_drafter"):
         notebook_inputs(params, tmp_path, ("source_drafter",))
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3lib import online, runs, train
+from eagle3lib import online, train
 from eagle3lib.capture import prepare_for_run
 from eagle3lib.checkpoint import load_drafter
 from eagle3lib.data import DataError
+from eagle3lib.params import load_params
 from eagle3lib.target import Target
 from eagle3lib.trainer import TrainingError
 from eagle3lib.vocab import VocabMap
@@ -38,7 +39,7 @@ def recipe(mode: str, **train_overrides) -> dict:
                               "max_position_embeddings": 256}},
     }
     settings["train"].update(train_overrides)
-    return runs.load_params(None, settings)
+    return load_params(None, settings)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +118,7 @@ def test_a_changed_recipe_does_not_reuse_the_text(tmp_path, online_run):
     (out / online.FOLDER).symlink_to(online_run[0] / online.FOLDER)
     with pytest.raises(DataError, match=r"online_data: this online text was made with other settings "
                                         r"\(data.num_tokens 2000 -> 1500\)"):
-        train.train_arms(runs.load_params(None, {**recipe("online"), "data": {**recipe("online")["data"],
+        train.train_arms(load_params(None, {**recipe("online"), "data": {**recipe("online")["data"],
                                                                              "num_tokens": 1500}}), out)
 
 

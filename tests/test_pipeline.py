@@ -16,6 +16,7 @@ import torch
 
 from eagle3lib import cli, publish, report, runs
 from eagle3lib.checkpoint import load_drafter
+from eagle3lib.params import load_params
 
 SOURCE = "@00_prepare_data/source_drafter"
 CHAINED = {
@@ -64,7 +65,7 @@ def test_smoke_recipe_runs_all_six_notebooks_chained(smoke_run, tmp_path):
     assert metrics["01_probe_drafter"]["drafter"] == str(source)
     assert metrics["01_probe_drafter"]["matches_target"] == 1.0  # greedy speculation is lossless
     diff = metrics["02_diff_vocab_maps"]
-    assert diff["positions_compared"] == runs.load_params("params/smoke.yaml")["data"]["draft_vocab_size"]
+    assert diff["positions_compared"] == load_params("params/smoke.yaml")["data"]["draft_vocab_size"]
     assert diff["positions_equal"] < diff["positions_compared"]  # prose and code maps differ
     remap = metrics["03_remap_lm_head"]
     assert remap["proof"]["passed"] and remap["proof"]["max_abs_diff"] == 0.0

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from transformers import LlamaConfig
 
-from eagle3lib import publish, runs, zoo
+from eagle3lib import files, publish, zoo
 from eagle3lib.checkpoint import load_drafter
 from eagle3lib.config import default_aux_layer_ids
+from eagle3lib.params import load_params
 from eagle3lib.speculate import check_compatible
 
 DRAFTERS = sorted(publish.DEMO_SOURCE_DRAFTER.parent.glob("*/provenance.json"))
@@ -38,7 +39,7 @@ def test_published_drafter_matches_its_record_and_loads_strictly(provenance):
 def test_the_demo_recipe_fits_its_source_drafter():
     """The demo's no-remap arm keeps the source drafter's rows under the new map: the draft vocab sizes must
     be equal, and the drafter must be the shipped one."""
-    demo = runs.load_params("params/demo.yaml")
+    demo = load_params("params/demo.yaml")
     drafter, _ = load_drafter(publish.DEMO_SOURCE_DRAFTER, strict=True)
-    assert runs.resolve_path(demo["train"]["drafter"]) == publish.DEMO_SOURCE_DRAFTER
+    assert files.resolve_path(demo["train"]["drafter"]) == publish.DEMO_SOURCE_DRAFTER
     assert demo["data"]["draft_vocab_size"] == drafter.config.draft_vocab_size

@@ -11,6 +11,7 @@ import nbformat
 import pytest
 
 from eagle3lib import cli, report, runs
+from eagle3lib.params import load_params
 
 
 def executed_notebook(path, found_text: str):
@@ -23,7 +24,7 @@ def executed_notebook(path, found_text: str):
 
 
 def test_summary_holds_metrics_findings_figures_and_times(tmp_path):
-    run = runs.Run.open(tmp_path, runs.load_params())
+    run = runs.Run.open(tmp_path, load_params())
     run.write_metrics("02_diff_vocab_maps", {"positions_equal": 22, "positions_compared": 2048,
                                              "first_divergence": 5, "intersection": 808, "only_in_a": 1240,
                                              "only_in_b": 1240})
@@ -70,7 +71,7 @@ def stream(name: str, text: str):
 
 
 def test_reader_problems_name_progress_walls_noise_and_broken_figures_but_not_real_warnings(tmp_path):
-    run = runs.Run.open(tmp_path, runs.load_params())
+    run = runs.Run.open(tmp_path, load_params())
     runs.record_provenance(run, ["04_finetune"])
     nb = nbformat.v4.new_notebook()
     cells = [nbformat.v4.new_code_cell(f"cell_{i}()") for i in range(8)]
@@ -110,7 +111,7 @@ def test_reader_problems_name_progress_walls_noise_and_broken_figures_but_not_re
 
 
 def test_the_front_page_shows_the_summary_with_its_figures_links_and_provenance(tmp_path):
-    run = runs.Run.open(tmp_path, runs.load_params())
+    run = runs.Run.open(tmp_path, load_params())
     runs.record_provenance(run, ["02_diff_vocab_maps"])
     executed_notebook(tmp_path / "02_diff_vocab_maps.ipynb", "22 of 2,048 positions agree.")
     (tmp_path / "02_diff_vocab_maps").mkdir()
@@ -141,7 +142,7 @@ def test_the_latest_run_is_the_latest_finished_one(tmp_path):
 
 
 def test_made_with_is_recorded_per_notebook_and_split_when_the_facts_change(tmp_path, monkeypatch):
-    run = runs.Run.open(tmp_path, runs.load_params())
+    run = runs.Run.open(tmp_path, load_params())
     runs.record_provenance(run, ["00_prepare_data"])
     runs.record_provenance(run, ["01_probe_drafter"])
     assert [r["notebooks"] for r in runs.read_metrics(tmp_path)["provenance"]] == [
@@ -158,7 +159,7 @@ def test_made_with_is_recorded_per_notebook_and_split_when_the_facts_change(tmp_
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="no chromium (make report-check installs it)")
 def test_screenshots_show_each_page_and_refuse_a_blank_one(tmp_path):
-    runs.Run.open(tmp_path, runs.load_params())
+    runs.Run.open(tmp_path, load_params())
     executed_notebook(tmp_path / "02_diff_vocab_maps.ipynb", "22 of 2,048 positions agree.")
     (tmp_path / "02_diff_vocab_maps").mkdir()
     figure = matplotlib.figure.Figure(figsize=(4, 3))
@@ -179,7 +180,7 @@ def test_screenshots_show_each_page_and_refuse_a_blank_one(tmp_path):
 
 def test_cli_report_renders_checks_and_names_what_is_wrong(tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "outputs" / "myrun"
-    runs.Run.open(run_dir, runs.load_params())
+    runs.Run.open(run_dir, load_params())
     executed_notebook(run_dir / "02_diff_vocab_maps.ipynb", "22 of 2,048 positions agree.")
     (run_dir / "02_diff_vocab_maps").mkdir()
     (run_dir / "02_diff_vocab_maps" / "coverage.png").write_bytes(b"")

@@ -9,7 +9,7 @@ import tomllib
 import pytest
 import yaml
 
-from eagle3lib.runs import REPO_ROOT
+from eagle3lib.files import REPO_ROOT
 from tests import check_notebooks
 
 

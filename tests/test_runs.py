@@ -15,8 +15,9 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from eagle3lib import capture, cli, runs
+from eagle3lib import capture, cli, files, runs
 from eagle3lib.data import DataError
+from eagle3lib.params import DEFAULTS, ParamsError, load_params, parse_override
 from tests.notebook_harness import run_notebook
 
 
@@ -26,54 +27,54 @@ def write_yaml(path, data):
 
 
 def test_defaults_come_back_when_no_file_is_given():
-    assert runs.load_params() == runs.DEFAULTS
-    assert runs.load_params() is not runs.DEFAULTS
+    assert load_params() == DEFAULTS
+    assert load_params() is not DEFAULTS
 
 
 def test_misspelled_key_is_refused_naming_key_and_file(tmp_path):
     recipe = write_yaml(tmp_path / "typo.yaml", {"run": {"sed": 3}})
-    with pytest.raises(runs.ParamsError, match=r"typo\.yaml: unknown key 'run\.sed'"):
-        runs.load_params(recipe)
+    with pytest.raises(ParamsError, match=r"typo\.yaml: unknown key 'run\.sed'"):
+        load_params(recipe)
 
 
 def test_unknown_section_is_refused(tmp_path):
     recipe = write_yaml(tmp_path / "typo.yaml", {"trian": {"steps": 3}})
-    with pytest.raises(runs.ParamsError, match="unknown key 'trian'"):
-        runs.load_params(recipe)
+    with pytest.raises(ParamsError, match="unknown key 'trian'"):
+        load_params(recipe)
 
 
 def test_wrong_type_is_refused(tmp_path):
     recipe = write_yaml(tmp_path / "bad.yaml", {"run": {"seed": "zero"}})
-    with pytest.raises(runs.ParamsError, match=r"bad\.yaml: key 'run\.seed' expects int"):
-        runs.load_params(recipe)
+    with pytest.raises(ParamsError, match=r"bad\.yaml: key 'run\.seed' expects int"):
+        load_params(recipe)
 
 
 def test_overrides_apply_on_top_of_the_file(tmp_path):
     recipe = write_yaml(tmp_path / "r.yaml", {"run": {"seed": 3, "name": "x"}})
-    params = runs.load_params(recipe, ["run.seed=7"])
-    assert params["run"] == {**runs.DEFAULTS["run"], "seed": 7, "name": "x"}
-    assert runs.load_params(recipe, {"run": {"name": "y"}})["run"]["name"] == "y"
-    with pytest.raises(runs.ParamsError, match="unknown key 'run.seeed'"):
-        runs.load_params(recipe, ["run.seeed=1"])
-    with pytest.raises(runs.ParamsError, match="key=value"):
-        runs.parse_override("run.seed")
+    params = load_params(recipe, ["run.seed=7"])
+    assert params["run"] == {**DEFAULTS["run"], "seed": 7, "name": "x"}
+    assert load_params(recipe, {"run": {"name": "y"}})["run"]["name"] == "y"
+    with pytest.raises(ParamsError, match="unknown key 'run.seeed'"):
+        load_params(recipe, ["run.seeed=1"])
+    with pytest.raises(ParamsError, match="key=value"):
+        parse_override("run.seed")
 
 
 def test_every_committed_recipe_is_valid():
-    recipes = sorted(runs.REPO_ROOT.glob("params/*.yaml"))
+    recipes = sorted(files.REPO_ROOT.glob("params/*.yaml"))
     assert recipes, "params/ holds no recipe"
     for recipe in recipes:
-        runs.load_params(recipe)
+        load_params(recipe)
 
 
 def test_run_folder_keeps_previous_outputs(tmp_path):
-    params = runs.load_params()
+    params = load_params()
     run = runs.Run.open(tmp_path / "run", params)
     step = run.step_dir("00_x")
     (step / "result.txt").write_text("first")
     with pytest.raises(runs.RunExistsError, match="previous run"):
         runs.Run.open(tmp_path / "run", params).step_dir("00_x")
-    changed = runs.load_params(overrides=["run.seed=5"])
+    changed = load_params(overrides=["run.seed=5"])
     with pytest.raises(runs.RunExistsError, match="different params"):
         runs.Run.open(tmp_path / "run", changed)
     assert (step / "result.txt").read_text() == "first"
@@ -82,7 +83,7 @@ def test_run_folder_keeps_previous_outputs(tmp_path):
 
 
 def test_metrics_merge_by_step(tmp_path):
-    run = runs.Run.open(tmp_path, runs.load_params())
+    run = runs.Run.open(tmp_path, load_params())
     run.write_metrics("a", {"x": 1})
     run.write_metrics("b", {"y": [1, 2]})
     assert runs.read_metrics(tmp_path) == {"a": {"x": 1}, "b": {"y": [1, 2]}}
@@ -104,7 +105,8 @@ def test_harness_runs_a_notebook_with_injected_params(tmp_path):
     notebook = make_notebook(
         tmp_path / "99_probe.ipynb",
         "from eagle3lib import runs\n"
-        "params = runs.load_params(params_file, overrides)\n"
+        "from eagle3lib.params import load_params\n"
+        "params = load_params(params_file, overrides)\n"
         "run = runs.Run.open(run_dir, params, overwrite=overwrite)\n"
         "run.write_metrics('99_probe', {'seed': params['run']['seed'], 'name': params['run']['name']})",
     )
@@ -131,7 +133,7 @@ def test_cli_run_refuses_a_misspelled_key_before_any_work(tmp_path, capsys, monk
 
 
 def test_run_relative_paths_resolve_into_the_run_folder(tmp_path):
-    params = runs.load_params(overrides={"run": {"name": "@not-a-path-key-but-resolved"}})
+    params = load_params(overrides={"run": {"name": "@not-a-path-key-but-resolved"}})
     params["evaluate"] = {"drafters": [{"name": "a", "path": "@04_finetune/scratch/drafter"}]}
     run = runs.Run(tmp_path, params)
     assert run.params["evaluate"]["drafters"][0]["path"] == str(tmp_path / "04_finetune/scratch/drafter")
@@ -142,8 +144,8 @@ def test_written_files_and_folders_follow_the_umask(tmp_path):
     """Reports and checkpoints are shared: not the private modes mkstemp/mkdtemp give (0600/0700)."""
     old = os.umask(0o022)
     try:
-        runs.atomic_write_text(tmp_path / "summary.md", "text")
-        with runs.staged_folder(tmp_path / "drafter") as staging:
+        files.atomic_write_text(tmp_path / "summary.md", "text")
+        with files.staged_folder(tmp_path / "drafter") as staging:
             (staging / "config.json").write_text("{}")
             save_file({"weight": torch.zeros(2)}, staging / "model.safetensors")  # safetensors writes 0600
     finally:
@@ -166,8 +168,8 @@ def test_a_run_name_cannot_escape_outputs(tmp_path, capsys, monkeypatch, name):
     assert capsys.readouterr().err == f"eagle3 run: error: override: {refused}\n"
     assert list(tmp_path.iterdir()) == []
     recipe = write_yaml(tmp_path / "escape.yaml", {"run": {"name": name}})
-    with pytest.raises(runs.ParamsError, match=re.escape(f"{recipe}: {refused}")):
-        runs.load_params(recipe)
+    with pytest.raises(ParamsError, match=re.escape(f"{recipe}: {refused}")):
+        load_params(recipe)
 
 
 @pytest.mark.parametrize("override, reason", [
@@ -185,12 +187,12 @@ def test_a_malformed_override_is_named(capsys, override, reason):
 def test_numbers_people_type_are_numbers(tmp_path):
     """YAML 1.1 reads 3e-4 (no dot) and 1.5e3 (no exponent sign) as strings; params read them as numbers."""
     for typed, value in [("3e-4", 3e-4), ("1.5e3", 1500.0), ("1E-5", 1e-5), ("-2e2", -200.0), ("0.5", 0.5)]:
-        assert runs.load_params(None, [f"train.lr={typed}"])["train"]["lr"] == value
+        assert load_params(None, [f"train.lr={typed}"])["train"]["lr"] == value
     recipe = tmp_path / "r.yaml"
     recipe.write_text("train:\n  lr: 3e-4\n  max_grad_norm: 1e0\n")
-    assert runs.load_params(recipe)["train"]["lr"] == 3e-4
-    assert runs.load_params(recipe)["train"]["max_grad_norm"] == 1.0
-    assert runs.load_params(None, ["run.name=e5"])["run"]["name"] == "e5"
+    assert load_params(recipe)["train"]["lr"] == 3e-4
+    assert load_params(recipe)["train"]["max_grad_norm"] == 1.0
+    assert load_params(None, ["run.name=e5"])["run"]["name"] == "e5"
 
 
 @pytest.mark.parametrize("only, override, refused", [
@@ -226,7 +228,7 @@ def test_every_selected_notebooks_settings_are_checked_before_the_first_starts(t
 
 
 def test_prepare_refuses_a_draft_vocab_larger_than_the_targets_before_capturing(tmp_path, monkeypatch):
-    params = runs.load_params("params/smoke.yaml", ["data.draft_vocab_size=50000"])
+    params = load_params("params/smoke.yaml", ["data.draft_vocab_size=50000"])
     monkeypatch.setattr(capture, "prepare", lambda *args, **kwargs: pytest.fail("the capture started"))
     with pytest.raises(DataError, match="data.draft_vocab_size 50000 exceeds the vocab size 49152 of the"):
         capture.prepare_for_run(SimpleNamespace(vocab_size=49152), params, "main", tmp_path)
@@ -274,16 +276,16 @@ def test_a_save_clears_the_staging_killed_saves_left(tmp_path):
     older.mkdir()
     named = f"{tmp_path}: .drafter.abcd1234.tmp left by an interrupted save of drafter; remove them once no"
     with pytest.warns(UserWarning, match=re.escape(named)):
-        with runs.staged_folder(tmp_path / "drafter") as staging:
+        with files.staged_folder(tmp_path / "drafter") as staging:
             (staging / "config.json").write_text("{}")
-    runs.atomic_write_text(tmp_path / "summary.md", "text")
+    files.atomic_write_text(tmp_path / "summary.md", "text")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([older.name, running.name, "drafter",
                                                                  "summary.md"])
 
 
 def test_append_line_writes_a_whole_line_or_none(tmp_path, monkeypatch):
     path = tmp_path / "metrics.jsonl"
-    runs.append_line(path, '{"step": 1}')
+    files.append_line(path, '{"step": 1}')
     calls = []
 
     def disk_full(fd, data):  # the disk fills up after five bytes of the line
@@ -295,7 +297,7 @@ def test_append_line_writes_a_whole_line_or_none(tmp_path, monkeypatch):
     real_write = os.write
     monkeypatch.setattr(os, "write", disk_full)
     with pytest.raises(OSError, match=rf"^writing {re.escape(str(path))}: No space left on device$"):
-        runs.append_line(path, '{"step": 2, "loss": 1.5}')
+        files.append_line(path, '{"step": 2, "loss": 1.5}')
     monkeypatch.undo()
     assert calls[0] == b'{"step": 2, "loss": 1.5}\n'  # one write for the whole line
     assert path.read_text() == '{"step": 1}\n'

@@ -24,7 +24,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer
 
-from eagle3lib import speculate, zoo
+from eagle3lib import probe, speculate, zoo
 from eagle3lib.checkpoint import load_drafter, save_drafter
 from eagle3lib.config import DrafterConfig
 from eagle3lib.model import Eagle3Drafter
@@ -200,7 +200,7 @@ def test_probe_counts_the_same_at_every_batch_size():
     model = successor_target(f, noise=0.3)
     drafter = successor_drafter(f, draft_ids)
     results = [
-        speculate.probe(model, drafter, PROMPTS, SETTINGS["tree-3x2"], 30, warmup=False, batch_size=n).metrics
+        probe.probe(model, drafter, PROMPTS, SETTINGS["tree-3x2"], 30, warmup=False, batch_size=n).metrics
         for n in (1, 3, 4)
     ]
     for key in ("tau", "num_drafts", "num_accepted_tokens", "acceptance_per_position", "accepted_per_prompt",
@@ -210,8 +210,8 @@ def test_probe_counts_the_same_at_every_batch_size():
     assert results[0]["tau_low"] <= results[0]["tau"] <= results[0]["tau_high"]
     # a prefill kept from the first probe serves the next ones: same outputs, its seconds charged again
     reuse = speculate.PrefillCache()
-    first = speculate.probe(model, drafter, PROMPTS, SETTINGS["chain-3"], 30, warmup=False, reuse=reuse)
-    again = speculate.probe(model, drafter, PROMPTS, SETTINGS["chain-3"], 30, warmup=False, reuse=reuse,
+    first = probe.probe(model, drafter, PROMPTS, SETTINGS["chain-3"], 30, warmup=False, reuse=reuse)
+    again = probe.probe(model, drafter, PROMPTS, SETTINGS["chain-3"], 30, warmup=False, reuse=reuse,
                             baseline=first.baseline)
     assert len(reuse.found) == 2  # the prefill with the drafter's aux layers, and without (target only)
     assert [g.tokens for g in again.spec] == [g.tokens for g in first.spec]
@@ -237,7 +237,7 @@ def test_rigged_drafter_gets_tau_k_plus_one(name):
     settings = SETTINGS[name]
     f, draft_ids = successor()
     model = successor_target(f)
-    result = speculate.probe(model, successor_drafter(f, draft_ids), [PROMPT, [0, 4]], settings, 33)
+    result = probe.probe(model, successor_drafter(f, draft_ids), [PROMPT, [0, 4]], settings, 33)
     assert result.metrics["tau"] == settings.steps + 1
     assert result.metrics["acceptance_per_position"] == [1.0] * settings.steps
     assert result.metrics["matches_target"] == 1.0
@@ -252,7 +252,7 @@ def test_rigged_drafter_gets_tau_k_plus_one(name):
 def test_random_drafter_gets_tau_near_one():
     model, drafter = random_pair(vocab=512, draft_vocab=128, seed=3)
     prompts = [[5, 100, 7], [300, 2, 2, 90], [17]]
-    metrics = speculate.probe(model, drafter, prompts, DraftSettings(steps=4), 24, warmup=False).metrics
+    metrics = probe.probe(model, drafter, prompts, DraftSettings(steps=4), 24, warmup=False).metrics
     assert 1.0 <= metrics["tau"] < 1.1
     assert metrics["matches_target"] == 1.0
 
@@ -522,19 +522,19 @@ def test_draft_settings_defaults_and_limits():
 
 
 def test_acceptance_metrics_count_as_vllm():
-    metrics = speculate.acceptance_metrics([0, 3, 1, 2, 3], depth=3)
+    metrics = probe.acceptance_metrics([0, 3, 1, 2, 3], depth=3)
     assert metrics["tau"] == 1 + 9 / 5
     assert metrics["num_drafts"] == 5 and metrics["num_accepted_tokens"] == 9
     assert metrics["acceptance_per_position"] == [4 / 5, 3 / 5, 2 / 5]
     with pytest.raises(ValueError, match="no verification step"):
-        speculate.acceptance_metrics([], depth=3)
+        probe.acceptance_metrics([], depth=3)
 
 
 def test_probe_reports_speed_and_ideal_speedup():
     f, draft_ids = successor()
     model = successor_target(f, noise=0.3)
     drafter = successor_drafter(f, draft_ids)
-    metrics = speculate.probe(model, drafter, [PROMPT], DraftSettings(steps=3), 20).metrics
+    metrics = probe.probe(model, drafter, [PROMPT], DraftSettings(steps=3), 20).metrics
     for key in ("tokens_per_s", "target_tokens_per_s", "speedup", "ideal_speedup", "efficiency",
                 "draft_ms_per_round", "verify_ms_per_round", "target_ms_per_step"):
         assert metrics[key] > 0, key
@@ -550,7 +550,7 @@ def test_speedups_end_to_end_and_in_decoding():
     tokens = [speculate.Generation(tokens=list(range(10)), accepted=[]) for _ in range(2)]
     spec = speculate.BatchOutput(tokens, {"prefill": 5.0, "draft": 1.0, "verify": 3.0, "total": 9.0}, 4)
     target = speculate.BatchOutput(tokens, {"prefill": 5.0, "decode": 8.0, "total": 13.0}, 9)
-    metrics = speculate.speed_metrics([spec], [target], tau=2.0)
+    metrics = probe.speed_metrics([spec], [target], tau=2.0)
     assert metrics["speedup"] == pytest.approx(13.0 / 9.0)
     assert metrics["decode_tokens_per_s"] == 18 / 4.0 and metrics["target_decode_tokens_per_s"] == 18 / 8.0
     assert metrics["decode_speedup"] == 2.0

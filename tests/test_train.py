@@ -17,12 +17,20 @@ import re
 import pytest
 import torch
 
-from eagle3lib import data, loss, publish, runs, train, trainer
+from eagle3lib import loss, publish, runs, train, trainer
 from eagle3lib.capture import DataWriter
 from eagle3lib.checkpoint import load_drafter, save_drafter
 from eagle3lib.config import EngineMismatchError
-from eagle3lib.data import TrainingData
-from eagle3lib.trainer import STATE_FILE, BatchStream, Processes, Trainer, TrainingDiverged, TrainingError
+from eagle3lib.params import DEFAULTS, load_params
+from eagle3lib.trainer import (
+    STATE_FILE,
+    BatchStream,
+    Processes,
+    Trainer,
+    TrainingData,
+    TrainingDiverged,
+    TrainingError,
+)
 from eagle3lib.vocab import VocabMap, load_counts
 
 VT, VD, H, A, T = 128, 64, 32, 3, 16
@@ -73,8 +81,8 @@ def data_folder(tmp_path_factory) -> dict:
 
 
 def synthetic_data(folders: dict) -> TrainingData:
-    train = {**runs.DEFAULTS["train"], "data": folders["data"], "vocab_map": folders["vocab_map"]}
-    return data.training_data(train, None)
+    settings = {**DEFAULTS["train"], "data": folders["data"], "vocab_map": folders["vocab_map"]}
+    return train.offline_training_data(settings, None)
 
 
 def tiny_params(folders: dict, **train_overrides) -> dict:
@@ -82,14 +90,14 @@ def tiny_params(folders: dict, **train_overrides) -> dict:
               "warmup_steps": 5, "log_every": 5, "checkpoint_every": 0, "check_batches": 2, "ttt_steps": 4,
               "scratch": SCRATCH}
     recipe.update(train_overrides)
-    return runs.load_params(None, {"train": recipe, "run": {"device": "cpu"}})
+    return load_params(None, {"train": recipe, "run": {"device": "cpu"}})
 
 
 # ----------------------------------------------------------------------------- loss
 
 
 def reference_sums(logits: torch.Tensor, batch: dict, head: torch.Tensor, vocab_map: VocabMap):
-    """The TTT sums written out row by row from the alignment in FORMATS.md §1/§5."""
+    """The TTT sums written out row by row from the alignment in docs/formats.md §1 and §5."""
     K, B, R, _ = logits.shape
     verifier = batch["last_hidden_state"] @ head[vocab_map.draft_ids].T
     sums = torch.zeros(5, K, dtype=torch.float64)

@@ -23,7 +23,7 @@ def pair() -> dict:
 
 
 def rule_by_hand(counts: list[int], vd: int) -> list[int]:
-    """The FORMATS.md rule written the slow, obvious way: seen tokens by (-count, id), top Vd,
+    """The docs/formats.md §3 rule written the slow, obvious way: seen tokens by (-count, id), top Vd,
     pad with the lowest unused ids, sort ascending."""
     seen = sorted((tid for tid, c in enumerate(counts) if c > 0), key=lambda tid: (-counts[tid], tid))
     chosen = seen[:vd]
