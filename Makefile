@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: setup demo source-drafter regenerated-datasets chat-drafter test lint check-notebooks lab report-check vllm-setup vllm-check bench-venv bench \
+.PHONY: setup demo regenerated-datasets chat-drafter test lint check-notebooks lab report-check vllm-setup vllm-check bench-venv bench \
 	gpu-check interop-venv interop-check
 
 setup: $(STAMP)
@@ -25,19 +25,6 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	$(VENV)/bin/eagle3 run params/demo.yaml --name demo-$$(date +%Y%m%d-%H%M%S)
-
-# The demo's source drafter: trained from scratch on SmolLM2's own replies to prose prompts, measured by
-# notebook 05, then published with its provenance (about 2 hours on 2 cores). publish refuses an existing
-# folder: to rebuild the shipped one, remove drafters/smollm2-135m-prose first or pass SOURCE_DRAFTER=...
-SOURCE_RUN := source-drafter-$(shell date +%Y%m%d-%H%M%S)
-SOURCE_DRAFTER ?= drafters/smollm2-135m-prose
-source-drafter: setup
-	$(VENV)/bin/eagle3 run params/source-drafter.yaml --name $(SOURCE_RUN) --only 00,04
-	$(VENV)/bin/eagle3 publish outputs/$(SOURCE_RUN) --arm scratch --command "make source-drafter" \
-		-o outputs/$(SOURCE_RUN)/published
-	$(VENV)/bin/eagle3 run params/source-drafter.yaml --name $(SOURCE_RUN) --only 05
-	$(VENV)/bin/eagle3 publish outputs/$(SOURCE_RUN) --arm scratch --command "make source-drafter" \
-		-o $(SOURCE_DRAFTER)
 
 # Datasets the project regenerated and ships under datasets/ (gzipped JSON lines + manifest): every assistant turn
 # answered by SmolLM2-135M-Instruct itself through vLLM (make vllm-setup; 2 cores: hours for all of ShareGPT, so

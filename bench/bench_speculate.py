@@ -1,6 +1,6 @@
 """Speculative decoding on SmolLM2-135M-Instruct with chain drafting: τ, tokens/s, speedups, efficiency.
 
-    .venv/bin/python bench/bench_speculate.py --drafter drafters/smollm2-135m-prose --corpus pydoc-prose
+    .venv/bin/python bench/bench_speculate.py --drafter drafters/smollm2-135m-chat --corpus sharegpt
     .venv/bin/python bench/bench_speculate.py --steps 1,3 --batch-sizes 1,4,8,16 --prompts 16   # batching
     .venv/bin/python bench/bench_speculate.py --topk 4 --num-draft-tokens 8    # trees instead of chains
 
@@ -11,7 +11,7 @@ that τ and the measured draft/verify costs allow, and efficiency = measured / i
 bookkeeping leave). Greedy decoding must
 give the target's own output (`same`: prompts whose speculative output equals the target-only output; in
 bfloat16 a near tie can flip between a one-token and a K+1-token forward pass). Without --drafter the
-shipped source drafter (drafters/smollm2-135m-prose) is used. Numbers, never asserts.
+shipped source drafter (drafters/smollm2-135m-chat) is used. Numbers, never asserts.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--batch-sizes", default="1,16", help="prompts decoded together, comma-separated")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--corpus", default="stdlib-code", help="held-out prompts: stdlib-code | pydoc-prose")
+    parser.add_argument("--corpus", default="sharegpt", help="prompts, as probe.corpus")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())

@@ -40,7 +40,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--corpus", default="pydoc-prose", help="held-out prompts (the shipped drafter's)")
+    parser.add_argument("--corpus", default="sharegpt", help="prompts, as probe.corpus")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="prompts in the target's chat template (--no-chat: raw document openings)")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32 (both engines)")

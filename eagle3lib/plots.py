@@ -19,7 +19,8 @@ from eagle3lib.vocab import VocabDiff, VocabMap
 def _finish(fig: Figure, path: str | os.PathLike | None) -> Figure:
     """Lay out, name the machine in a corner (a speed is one machine's, not another's), and save."""
     fig.tight_layout(rect=(0, 0.035, 1, 1))
-    fig.text(0.995, 0.005, devices.machine_description(), ha="right", va="bottom", fontsize=6.5, color="grey")
+    fig.text(0.995, 0.005, f"drawn on {devices.machine_description()}", ha="right", va="bottom", fontsize=6.5,
+             color="grey")
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig

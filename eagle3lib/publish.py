@@ -19,7 +19,7 @@ from eagle3lib.checkpoint import load_drafter, save_drafter
 
 PROVENANCE = "provenance.json"
 WEIGHTS = "model.safetensors"
-DEMO_SOURCE_DRAFTER = files.REPO_ROOT / "drafters" / "smollm2-135m-prose"  # params/demo.yaml's source drafter
+DEMO_SOURCE_DRAFTER = files.REPO_ROOT / "drafters" / "smollm2-135m-chat"  # params/demo.yaml's source drafter
 
 
 class PublishError(ValueError):
@@ -89,11 +89,6 @@ def verify(folder: Path) -> dict:
 
 
 def measured_metrics(record: dict) -> dict[str, dict]:
-    """What notebook 05 measured for a published drafter, flat: {"benchmark: drafter": metrics}. Records
-    published before 05 evaluated benchmarks hold one prompt set under `drafters`."""
-    measured = record.get("measured") or {}
-    if "benchmarks" in measured:
-        return {f"{name}: {drafter}": m for name, found in measured["benchmarks"].items()
-                for drafter, m in found.items()}
-    return dict(measured.get("drafters", {}))
-
+    """What notebook 05 measured for a published drafter, flat: {"benchmark: drafter": metrics}."""
+    benchmarks = (record.get("measured") or {}).get("benchmarks", {})
+    return {f"{name}: {drafter}": m for name, found in benchmarks.items() for drafter, m in found.items()}
