@@ -7,8 +7,10 @@ import json
 
 import pytest
 
+from eagle3lib.capture import training_text
 from eagle3lib.conversations import ReadStats, read_conversations
-from eagle3lib.regenerate import FORMAT, file_sha256
+from eagle3lib.params import load_params
+from eagle3lib.regenerate import FORMAT, TargetFacts, file_sha256
 from eagle3lib.runs import REPO_ROOT
 
 MANIFESTS = sorted((REPO_ROOT / "datasets").glob("**/*.manifest.json"))
@@ -36,3 +38,22 @@ def test_shipped_dataset_matches_its_manifest(manifest_path):
     lines = gzip.decompress(data.read_bytes()).decode().removesuffix("\n").split("\n")
     assert len(found) == len(lines) == manifest["counts"]["conversations"] and stats.skipped == {}
     assert all(c.messages[-1]["role"] == "assistant" for c in found)
+
+
+RECIPES_ON_SHIPPED_DATA = [
+    recipe for recipe in sorted((REPO_ROOT / "params").glob("*.yaml"))
+    if load_params(recipe)["data"]["corpus"].startswith("datasets/")
+]
+
+
+def test_the_demo_and_the_chat_drafter_train_on_shipped_data():
+    assert {p.stem for p in RECIPES_ON_SHIPPED_DATA} >= {"demo", "chat-drafter"}
+
+
+@pytest.mark.parametrize("recipe", RECIPES_ON_SHIPPED_DATA, ids=lambda p: p.name)
+def test_a_recipe_asks_no_more_tokens_than_its_shipped_data_holds(recipe, tmp_path):
+    data = load_params(recipe)["data"]
+    target = TargetFacts.read(load_params(recipe)["target"]["spec"])
+    samples, _ = training_text(target, data, seed=0, work_dir=tmp_path)
+    held = sum(len(sample.input_ids) for sample in samples)
+    assert data["num_tokens"] <= held, f"{recipe.name}: data.num_tokens {data['num_tokens']} > {held} held"
