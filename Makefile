@@ -106,6 +106,8 @@ bench: setup bench-venv
 	$(PY) bench/bench_capture.py
 	$(PY) bench/bench_speculate.py
 	$(PY) bench/bench_small_products.py
+	$(PY) bench/bench_online.py
+	$(PY) bench/bench_reproducibility.py
 	$(BENCH_VENV)/bin/python bench/bench_vs_speculators.py
 
 # GPU host: is the CUDA path right, and how fast is it. The CUDA cases of the model tests, then a
