@@ -539,6 +539,7 @@ def learning_curve(
         found[benchmark.name] = rows
     curve = {
         "setting": engine_terms(settings),
+        "machine": machine_description(),
         "max_new_tokens": max_new_tokens,
         "prompts": {b.name: b.num_prompts for b in benchmarks},
         "benchmarks": found,

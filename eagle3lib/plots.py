@@ -122,14 +122,20 @@ def benchmark_taus(metrics: dict[str, dict[str, dict]], path: str | os.PathLike 
 
 
 def learning_curve(curve: dict, path: str | os.PathLike | None = None) -> Figure:
-    """τ (95 % interval) against the tokens in the loss trained on, per benchmark."""
+    """τ (95 % interval) against the tokens in the loss trained on, per benchmark; a benchmark's point in
+    `curve["reference"]` (another run's drafter, e.g. the one shipped, with its `label`) as a star."""
     fig, axis = plt.subplots(figsize=(7.5, 4.2))
     for name, rows in curve["benchmarks"].items():
         x = [r["loss_tokens"] for r in rows]
         y = [r["tau"] for r in rows]
         errors = [[r["tau"] - r["tau_low"] for r in rows], [r["tau_high"] - r["tau"] for r in rows]]
         label = f"{name} ({curve['prompts'][name]} prompts)"
-        axis.errorbar(x, y, yerr=errors, marker="o", capsize=3, label=label)
+        line = axis.errorbar(x, y, yerr=errors, marker="o", capsize=3, label=label)
+        reference = curve.get("reference", {}).get(name)
+        if reference:
+            spread = [[reference["tau"] - reference["tau_low"]], [reference["tau_high"] - reference["tau"]]]
+            axis.errorbar([reference["loss_tokens"]], [reference["tau"]], yerr=spread, fmt="*", markersize=12,
+                          capsize=3, color=line.lines[0].get_color(), label=f"{name}: {reference['label']}")
     axis.set_xscale("log")
     axis.set_xlabel("tokens in the loss trained on (log scale)")
     axis.set_ylabel("τ, 95 % interval")

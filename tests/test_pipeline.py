@@ -7,8 +7,10 @@ arms fine-tuned from it, all evaluated) through "@step/..." run-relative paths.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import stat
 
 import pytest
@@ -36,7 +38,7 @@ CHAINED = {
     ]},
     # zoo:tiny-llama is random, so no warm start can beat chance on its data: the check is reported only
     "train": {"arms": ["drafter", "drafter-no-remap", "scratch"], "drafter": SOURCE, "allow_no_remap": True,
-              "check_enforce": False, "steps": 4, "checkpoint_every": 0},
+              "check_enforce": False, "steps": 4, "checkpoint_every": 2},
 }
 
 
@@ -144,6 +146,27 @@ def test_the_smoke_run_reads_as_a_report(smoke_run):
     assert modes == {name: 0o666 & ~umask for name in modes}
     folders = [run_dir / "html", run_dir / "04_finetune" / "scratch" / "drafter"]
     assert all(stat.S_IMODE(folder.stat().st_mode) == 0o777 & ~umask for folder in folders)
+
+
+def test_curve_measures_every_checkpoint_against_the_tokens_it_had_trained_on(smoke_run, tmp_path):
+    arm = shutil.copytree(smoke_run / "04_finetune" / "scratch", tmp_path / "scratch")
+    assert cli.main(["curve", str(arm), "--target", "zoo:tiny-llama", "--benchmark", "stdlib-code:2",
+                     "--max-new-tokens", "8", "--batch-size", "2"]) == 0
+    curve = json.loads((arm / "learning_curve.json").read_text())
+    logged = [json.loads(line) for line in (arm / "metrics.jsonl").read_text().splitlines()]
+    rows = curve["benchmarks"]["stdlib-code"]
+    assert [row["step"] for row in rows] == [2, 4]  # the checkpoint, then the final drafter
+    assert [row["loss_tokens"] for row in rows] == [logged[0]["rows"], logged[0]["rows"] + logged[1]["rows"]]
+    assert all(row["tau_low"] <= row["tau"] <= row["tau_high"] for row in rows)
+    assert curve["prompts"] == {"stdlib-code": 2} and curve["max_new_tokens"] == 8 and curve["machine"]
+    assert (arm / "learning_curve.png").stat().st_size > 0
+    published = publish.publish(smoke_run, "scratch", tmp_path / "published", command="pytest")
+    assert publish.verify(published)["learning_curve"] is None  # the run's own arm was not measured
+    # a curve travels with the drafter published from the arm it was measured on
+    run = shutil.copytree(smoke_run, tmp_path / "run", ignore=shutil.ignore_patterns("*.ipynb", "html"))
+    shutil.copy(arm / "learning_curve.json", run / "04_finetune" / "scratch")
+    published = publish.publish(run, "scratch", tmp_path / "with-curve", command="pytest")
+    assert publish.verify(published)["learning_curve"] == curve
 
 
 def test_cli_run_reports_a_failing_notebook(tmp_path, monkeypatch, capsys):

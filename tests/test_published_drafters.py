@@ -36,6 +36,16 @@ def test_published_drafter_matches_its_record_and_loads_strictly(provenance):
     assert record["commit"] and record["command"] and record["training_curve"]
 
 
+def test_the_chat_drafter_shows_its_learning_curve():
+    """What more data buys: τ of the recipe's checkpoints against the tokens they had trained on."""
+    curve = publish.verify(publish.DEMO_SOURCE_DRAFTER)["learning_curve"]
+    assert set(curve["benchmarks"]) == {"sharegpt", "humaneval"} and curve["run"]["command"]
+    for rows in curve["benchmarks"].values():
+        tokens = [row["loss_tokens"] for row in rows]
+        assert len(rows) >= 3 and tokens == sorted(set(tokens))
+        assert all(row["tau_low"] <= row["tau"] <= row["tau_high"] for row in rows)
+
+
 def test_the_demo_recipe_fits_its_source_drafter():
     """The demo's no-remap arm keeps the source drafter's rows under the new map: the draft vocab sizes must
     be equal, and the drafter must be the shipped one."""
