@@ -501,7 +501,7 @@ def learning_curve(
     from eagle3lib import engines, files, speculate
 
     arm_folder = Path(arm_folder)
-    logged = [json.loads(line) for line in (arm_folder / "metrics.jsonl").read_text().splitlines()]
+    logged = files.read_json_lines(arm_folder / "metrics.jsonl")
     final_step = json.loads((arm_folder / "summary.json").read_text())["steps"]
     checkpoints = sorted(arm_folder.glob("checkpoints/step_*"))
     points = [(int(p.name.removeprefix("step_")), p / "drafter") for p in checkpoints]

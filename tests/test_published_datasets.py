@@ -52,8 +52,9 @@ def test_the_demo_and_the_chat_drafter_train_on_shipped_data():
 
 @pytest.mark.parametrize("recipe", RECIPES_ON_SHIPPED_DATA, ids=lambda p: p.name)
 def test_a_recipe_asks_no_more_tokens_than_its_shipped_data_holds(recipe, tmp_path):
-    data = load_params(recipe)["data"]
-    target = TargetFacts.read(load_params(recipe)["target"]["spec"])
+    params = load_params(recipe)
+    data = params["data"]
+    target = TargetFacts.read(params["target"]["spec"])
     samples, _ = training_text(target, data, seed=0, work_dir=tmp_path)
     held = sum(len(sample.input_ids) for sample in samples)
     assert data["num_tokens"] <= held, f"{recipe.name}: data.num_tokens {data['num_tokens']} > {held} held"
