@@ -66,7 +66,7 @@ lab: setup
 	$(VENV)/bin/jupyter lab notebooks/
 
 # vLLM (CPU build) pins its own torch/transformers, so it lives in a separate venv that
-# eagle3lib.engines drives in a subprocess (about 3 minutes and 3.4 GB the first time).
+# eagle3lib.decoding.engines drives in a subprocess (about 3 minutes and 3.4 GB the first time).
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.setup-done
 

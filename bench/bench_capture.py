@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from eagle3lib.target import Target
+from eagle3lib.target.model import Target
 
 
 def median_seconds(fns: list, repeats: int) -> list[tuple[float, float]]:

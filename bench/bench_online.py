@@ -18,11 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagle3lib import train
-from eagle3lib.capture import prepare_for_run
-from eagle3lib.online import FOLDER
+from eagle3lib.generation.capture import prepare_for_run
+from eagle3lib.generation.online import FOLDER
 from eagle3lib.params import load_params
-from eagle3lib.target import Target
+from eagle3lib.target.model import Target
+from eagle3lib.training import train
 
 
 def folder_megabytes(path: Path) -> float:

@@ -17,17 +17,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagle3lib import regenerate, sources
-from eagle3lib.conversations import ChatRenderer
+from eagle3lib.data import corpora
+from eagle3lib.data.conversations import ChatRenderer
 from eagle3lib.devices import machine_description
-from eagle3lib.target import Target
+from eagle3lib.generation import regenerate
+from eagle3lib.target.model import Target
 
 TARGET = "zoo:smollm2-135m-instruct"
 
 
 def requests(renderer: ChatRenderer, count: int, max_prompt_tokens: int) -> list[regenerate.Request]:
     found = []
-    for conversation in sources.split_conversations("sharegpt", "train", 0.1):
+    for conversation in corpora.split_conversations("sharegpt", "train", 0.1):
         messages = [{"role": "user", "content": conversation.user_turns()[0]}]
         ids = renderer.prompt_ids(messages)
         if len(ids) <= max_prompt_tokens:

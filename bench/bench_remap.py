@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from eagle3lib.remap import remap_rows
-from eagle3lib.vocab import VocabMap, diff
+from eagle3lib.drafter.vocab import VocabMap, diff
+from eagle3lib.training.remap import remap_rows
 
 
 def zipf_counts(vt: int, seed: int) -> torch.Tensor:

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
-from eagle3lib import engines, probe, publish, speculate
-from eagle3lib.checkpoint import load_drafter
-from eagle3lib.target import Target
+from eagle3lib.decoding import engines, probe, speculate
+from eagle3lib.drafter.checkpoint import load_drafter
+from eagle3lib.reports import publish
+from eagle3lib.target.model import Target
 
 TARGET = "zoo:smollm2-135m-instruct"
 

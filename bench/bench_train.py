@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
-from eagle3lib import train
-from eagle3lib.loss import Targets, drafter_rows, ttt_sums
+from eagle3lib.data.readers import TrainingData
+from eagle3lib.drafter.vocab import VocabMap
 from eagle3lib.params import load_params
-from eagle3lib.trainer import Processes, Trainer, TrainingData
-from eagle3lib.vocab import VocabMap
+from eagle3lib.training import train
+from eagle3lib.training.loss import Targets, drafter_rows, ttt_sums
+from eagle3lib.training.trainer import Processes, Trainer
 
 HIDDEN, VT, VD, AUX = 576, 49_152, 4_096, 3
 SIZES = {"num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536,

@@ -43,12 +43,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from eagle3lib import train
-from eagle3lib.checkpoint import SGLANG_PREFIX, SPECULATORS_PREFIX, checkpoint_tensors
-from eagle3lib.config import to_speculators_dict
+from eagle3lib.data.readers import TrainingData
+from eagle3lib.drafter.checkpoint import SGLANG_PREFIX, SPECULATORS_PREFIX, checkpoint_tensors
+from eagle3lib.drafter.config import to_speculators_dict
+from eagle3lib.drafter.vocab import VocabMap
 from eagle3lib.params import load_params
-from eagle3lib.trainer import Processes, Trainer, TrainingData
-from eagle3lib.vocab import VocabMap
+from eagle3lib.training import train
+from eagle3lib.training.trainer import Processes, Trainer
 
 HIDDEN, VT, VD, AUX_IDS = 576, 49_152, 4_096, [1, 14, 26]
 SIZES = {"num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536,

@@ -39,11 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from eagle3lib import train, ttt_attention
-from eagle3lib.config import default_aux_layer_ids
+from eagle3lib.data.readers import TrainingData
+from eagle3lib.drafter import ttt_attention
+from eagle3lib.drafter.config import default_aux_layer_ids
+from eagle3lib.drafter.vocab import VocabMap
 from eagle3lib.params import load_params
-from eagle3lib.trainer import Processes, Trainer, TrainingData
-from eagle3lib.vocab import VocabMap
+from eagle3lib.training import train
+from eagle3lib.training.trainer import Processes, Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"

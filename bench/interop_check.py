@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from eagle3lib.checkpoint import load_drafter, save_drafter  # noqa: E402
-from eagle3lib.config import DrafterConfig, EngineMismatchError  # noqa: E402
-from eagle3lib.model import Eagle3Drafter  # noqa: E402
-from eagle3lib.vocab import VocabMap  # noqa: E402
+from eagle3lib.drafter.checkpoint import load_drafter, save_drafter
+from eagle3lib.drafter.config import DrafterConfig, EngineMismatchError
+from eagle3lib.drafter.model import Eagle3Drafter
+from eagle3lib.drafter.vocab import VocabMap
 
 TOLERANCE = 1e-5
 TTT_STEPS = 3

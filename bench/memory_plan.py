@@ -33,12 +33,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from eagle3lib import train, ttt_attention
-from eagle3lib.config import default_aux_layer_ids
-from eagle3lib.loss import Targets, verifier_draft_logits, weighted_loss
+from eagle3lib.data.readers import TrainingData
+from eagle3lib.drafter import ttt_attention
+from eagle3lib.drafter.config import default_aux_layer_ids
+from eagle3lib.drafter.vocab import VocabMap
 from eagle3lib.params import load_params
-from eagle3lib.trainer import Processes, Trainer, TrainingData
-from eagle3lib.vocab import VocabMap
+from eagle3lib.training import train
+from eagle3lib.training.loss import Targets, verifier_draft_logits, weighted_loss
+from eagle3lib.training.trainer import Processes, Trainer
 
 GIB = 2**30
 FORWARD_CATEGORIES = ("draft logits", "attention scores", "MLP activations", "hidden-sized activations",

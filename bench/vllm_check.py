@@ -20,9 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3lib import engines, probe, publish, speculate
-from eagle3lib.checkpoint import load_drafter
-from eagle3lib.target import Target
+from eagle3lib.decoding import engines, probe, speculate
+from eagle3lib.drafter.checkpoint import load_drafter
+from eagle3lib.reports import publish
+from eagle3lib.target.model import Target
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -36,8 +36,11 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
 def check_notebook_settings(params: dict, notebooks: list[str]) -> None:
     """Refuse, naming each notebook and key, any setting one of `notebooks` (e.g. "04_finetune") would refuse
     itself, perhaps hours into a run; each check is the one that notebook's step runs when it starts."""
-    from eagle3lib import capture, engines, evaluate, remap, runs, train
+    from eagle3lib import runs
+    from eagle3lib.decoding import engines, evaluate
+    from eagle3lib.generation import capture
     from eagle3lib.params import ParamsError
+    from eagle3lib.training import remap, train
 
     checks = {
         runs.PREPARE_DATA: [capture.check_prepare_settings, train.check_stand_in_settings],
@@ -59,8 +62,9 @@ def check_notebook_settings(params: dict, notebooks: list[str]) -> None:
 
 @command("run", "execute the numbered notebooks with papermill into outputs/<run>/", _run_arguments)
 def _run(args: argparse.Namespace) -> int:
-    from eagle3lib import report, runs
+    from eagle3lib import runs
     from eagle3lib.params import load_params
+    from eagle3lib.reports import report
 
     overrides = list(args.param)
     if args.name:
@@ -103,7 +107,7 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from eagle3lib import report
+    from eagle3lib.reports import report
 
     try:
         run_dir = Path(args.run_dir) if args.run_dir else report.latest_run()
@@ -149,8 +153,9 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
 @command("train", "fine-tune the recipe's arms (04_finetune without the notebook; torchrun when "
          "train.nproc > 1)", _train_arguments)
 def _train(args: argparse.Namespace) -> int:
-    from eagle3lib import runs, train
+    from eagle3lib import runs
     from eagle3lib.params import load_params
+    from eagle3lib.training import train
 
     params, out, run_dir = train.recipe_for_training(args.params, args.param, args.out, args.run_dir)
     # as `eagle3 run` does for its notebooks: what trained these arms, for `eagle3 publish`
@@ -178,7 +183,7 @@ def _publish(args: argparse.Namespace) -> int:
 
     import torch
 
-    from eagle3lib import publish
+    from eagle3lib.reports import publish
 
     out = publish.publish(Path(args.run_dir), args.arm, Path(args.out), command=args.command,
                           dtype=getattr(torch, args.dtype))
@@ -197,7 +202,7 @@ def _diff_vocab_arguments(p: argparse.ArgumentParser) -> None:
 def _diff_vocab(args: argparse.Namespace) -> int:
     import json
 
-    from eagle3lib import vocab
+    from eagle3lib.drafter import vocab
 
     a, b = vocab.VocabMap.load(args.a), vocab.VocabMap.load(args.b)
     counts = vocab.load_counts(args.counts, a.vt) if args.counts else None
@@ -220,7 +225,7 @@ def _remap_arguments(p: argparse.ArgumentParser) -> None:
 
 @command("remap", "move a drafter's lm_head rows onto a new vocab map, with an exact proof", _remap_arguments)
 def _remap(args: argparse.Namespace) -> int:
-    from eagle3lib import remap
+    from eagle3lib.training import remap
 
     _, report = remap.remap_checkpoint(
         args.src, args.to_map, args.out, target=args.target, missing=args.missing, seed=args.seed
@@ -246,10 +251,10 @@ def _inspect_arguments(p: argparse.ArgumentParser) -> None:
 def _inspect(args: argparse.Namespace) -> int:
     import json
 
-    from eagle3lib import checkpoint
+    from eagle3lib.drafter import inspection
 
-    info = checkpoint.inspect_checkpoint(args.path, config=args.config)
-    print(json.dumps(info, indent=2) if args.json else checkpoint.format_inspection(info))
+    info = inspection.inspect_checkpoint(args.path, config=args.config)
+    print(json.dumps(info, indent=2) if args.json else inspection.format_inspection(info))
     return 0 if info["report"]["ok"] else 1
 
 
@@ -271,8 +276,8 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
 def _convert(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from eagle3lib import checkpoint
-    from eagle3lib.data import load_target_head
+    from eagle3lib.data.layout import load_target_head
+    from eagle3lib.drafter import checkpoint
 
     embedding = verifier = None
     if args.target:
@@ -312,8 +317,8 @@ def _probe_arguments(p: argparse.ArgumentParser) -> None:
 def _probe(args: argparse.Namespace) -> int:
     import json
 
-    from eagle3lib import engines, evaluate
-    from eagle3lib.speculate import DraftSettings, PrefillCache
+    from eagle3lib.decoding import engines, evaluate
+    from eagle3lib.decoding.speculate import DraftSettings, PrefillCache
 
     target, tokenizer = engines.open_target(args.target, "builtin", args.dtype, args.device)
     reply = engines.target_replies(target, args.max_new_tokens, args.batch_size)
@@ -353,9 +358,10 @@ def _curve_arguments(p: argparse.ArgumentParser) -> None:
 def _curve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from eagle3lib import engines, evaluate, plots
-    from eagle3lib.benchmarks import Benchmark
-    from eagle3lib.speculate import DraftSettings
+    from eagle3lib.data.benchmarks import Benchmark
+    from eagle3lib.decoding import engines, evaluate
+    from eagle3lib.decoding.speculate import DraftSettings
+    from eagle3lib.reports import plots
 
     benchmarks = []
     for item in args.benchmark:
@@ -394,9 +400,9 @@ def _dataset_arguments(p: argparse.ArgumentParser) -> None:
 def _dataset(args: argparse.Namespace) -> int:
     import json
 
-    from eagle3lib.conversations import ChatRenderer
-    from eagle3lib.regenerate import TargetFacts
-    from eagle3lib.sources import dataset_report, marked_text
+    from eagle3lib.data.conversations import ChatRenderer
+    from eagle3lib.data.sources import dataset_report, marked_text
+    from eagle3lib.generation.regenerate import TargetFacts
 
     target = TargetFacts.read(args.target)
     renderer = ChatRenderer(target.tokenizer, target.stop_token_ids, args.loss_turns)
@@ -433,7 +439,7 @@ def _dataset(args: argparse.Namespace) -> int:
 
 
 def _regenerate_arguments(p: argparse.ArgumentParser) -> None:
-    from eagle3lib.regenerate import ENGINES, RegenerationSettings
+    from eagle3lib.generation.regenerate import ENGINES, RegenerationSettings
 
     defaults = RegenerationSettings()
     p.add_argument("file", help="a conversation file (.json/.jsonl, optionally .gz), sharegpt, or a zoo text "
@@ -470,8 +476,9 @@ def _regenerate(args: argparse.Namespace) -> int:
     from itertools import islice
     from pathlib import Path
 
-    from eagle3lib import regenerate, sources, zoo
-    from eagle3lib.conversations import ChatRenderer, read_conversations
+    from eagle3lib.data import corpora
+    from eagle3lib.data.conversations import ChatRenderer, read_conversations
+    from eagle3lib.generation import regenerate
 
     settings = regenerate.RegenerationSettings(
         engine=args.engine, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
@@ -481,24 +488,24 @@ def _regenerate(args: argparse.Namespace) -> int:
     if args.engine == "server":  # a GPU host's model: its tokenizer and config, not its weights, here
         target = regenerate.TargetFacts.read(args.target)
     else:  # loaded here for its fingerprint (vllm decodes with its own copy)
-        from eagle3lib.target import Target
+        from eagle3lib.target.model import Target
 
         target = Target.load(args.target, dtype=args.dtype if args.engine == "builtin" else "float32",
                              device="auto" if args.engine == "builtin" else "cpu")
     renderer = ChatRenderer(target.tokenizer, target.stop_token_ids)
     split = {"split": args.split, "heldout_fraction": args.heldout_fraction}
-    if sources.corpus_kind(args.file) == "documents":  # a zoo text corpus: its documents as chat prompts
+    if corpora.corpus_kind(args.file) == "documents":  # a zoo text corpus: its documents as chat prompts
         if args.split == "all":
             raise ValueError(f"{args.file}: a text corpus is regenerated by split (train or heldout)")
-        source = zoo.corpus_description(args.file) | split
-        conversations = sources.split_conversations(args.file, args.split, args.heldout_fraction)
+        source = corpora.corpus_description(args.file) | split
+        conversations = corpora.split_conversations(args.file, args.split, args.heldout_fraction)
     else:
-        path, truncated_ok = sources.conversation_source(args.file)
+        path, truncated_ok = corpora.conversation_source(args.file)
         source = regenerate.source_description(path, args.file) | split
         if args.split == "all":
             conversations = read_conversations(path, allow_truncated=truncated_ok)
         else:
-            conversations = sources.split_conversations(args.file, args.split, args.heldout_fraction)
+            conversations = corpora.split_conversations(args.file, args.split, args.heldout_fraction)
     if args.skip:
         source["skip"] = args.skip
         conversations = islice(conversations, args.skip, None)

@@ -76,11 +76,11 @@ class StandInSection:
 
 @dataclass
 class ProbeSection:
-    """01_probe_drafter (and the prompts and decoding 05_evaluate shares), eagle3lib.speculate; the target and
+    """01_probe_drafter (and the prompts and decoding 05_evaluate shares), decoding.speculate; the target and
     its dtype come from the `target` section, and the drafter runs in the same dtype."""
 
     backend: str = setting(
-        "builtin", "builtin (eagle3lib.speculate) | vllm (make vllm-setup) | sglang (a server)"
+        "builtin", "builtin (eagle3lib.decoding.speculate) | vllm (make vllm-setup) | sglang (a server)"
     )
     drafter: str = setting("", "drafter checkpoint folder (SGLang or speculators layout)")
     corpus: str = setting(
@@ -143,7 +143,7 @@ class EvaluateSection:
 
 @dataclass
 class TargetSection:
-    """The target model (00_prepare_data and every step that runs it), eagle3lib.target."""
+    """The target model (00_prepare_data and every step that runs it), eagle3lib.target.model."""
 
     spec: str = setting("zoo:smollm2-135m-instruct", "a local HF folder, a cached HF model id, or zoo:<name>")
     dtype: str = setting(
@@ -157,7 +157,7 @@ class TargetSection:
 
 @dataclass
 class RegenerateSection:
-    """data.text regenerate (eagle3lib.regenerate): the target's replies, turn by turn."""
+    """data.text regenerate (eagle3lib.generation.regenerate): the target's replies, turn by turn."""
 
     engine: str = setting(
         "builtin", "builtin (the target here) | vllm (make vllm-setup) | server (OpenAI API)"
@@ -173,7 +173,7 @@ class RegenerateSection:
 
 @dataclass
 class DataSection:
-    """00_prepare_data, eagle3lib.capture and eagle3lib.zoo; online training reads its text from here too."""
+    """00_prepare_data, generation.capture and data.corpora; online training reads its text from here too."""
 
     corpus: str = setting(
         "stdlib-code",
@@ -252,7 +252,7 @@ class DataSection:
 
 @dataclass
 class VocabSection:
-    """02_diff_vocab_maps, eagle3lib.vocab."""
+    """02_diff_vocab_maps, eagle3lib.drafter.vocab."""
 
     map_a: str = setting("", 'map file or drafter checkpoint; "" = remap.source_drafter\'s map')
     map_b: str = setting("", 'the new map; "" = the one 00_prepare_data wrote in this run')
@@ -263,7 +263,7 @@ class VocabSection:
 
 @dataclass
 class RemapSection:
-    """03_remap_lm_head, eagle3lib.remap: source_drafter moved onto vocab.map_b."""
+    """03_remap_lm_head, eagle3lib.training.remap: source_drafter moved onto vocab.map_b."""
 
     source_drafter: str = setting("", "drafter checkpoint folder (SGLang or speculators layout)")
     missing: str = setting("mean", "rows for tokens the old map lacks: verifier | mean | zeros | random")
@@ -287,7 +287,7 @@ class ScratchSizes:
 
 @dataclass
 class TrainSection:
-    """04_finetune, eagle3lib.train and eagle3lib.trainer."""
+    """04_finetune, eagle3lib.training.train and eagle3lib.training.trainer."""
 
     arms: list = setting(
         ["scratch"],

@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3lib import checkpoint, cli
-from eagle3lib.checkpoint import CheckpointError, load_drafter, save_drafter
-from eagle3lib.config import (
+from eagle3lib import cli
+from eagle3lib.drafter import checkpoint
+from eagle3lib.drafter.checkpoint import CheckpointError, load_drafter, save_drafter
+from eagle3lib.drafter.config import (
     ConfigError,
     DrafterConfig,
     aux_ids_from_vllm,
@@ -24,8 +25,8 @@ from eagle3lib.config import (
     to_sglang_dict,
     to_speculators_dict,
 )
-from eagle3lib.model import Eagle3Drafter
-from eagle3lib.vocab import VocabMap
+from eagle3lib.drafter.model import Eagle3Drafter
+from eagle3lib.drafter.vocab import VocabMap
 from tests.tiny import tiny_drafter_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators-0.9.0"

@@ -10,16 +10,17 @@ from collections import Counter
 import pytest
 from transformers import AutoTokenizer
 
-from eagle3lib import sources, zoo
-from eagle3lib.conversations import (
+from eagle3lib.data import corpora, sources
+from eagle3lib.data.conversations import (
     ChatRenderer,
     Conversation,
     ConversationError,
     ReadStats,
     read_conversations,
 )
-from eagle3lib.data import DataError
+from eagle3lib.data.layout import DataError
 from eagle3lib.params import load_params
+from eagle3lib.target import zoo
 
 CHAT = [
     {"role": "system", "content": "You answer in one sentence."},
@@ -245,8 +246,8 @@ def test_heldout_split_keeps_the_parts_of_one_chat_together(tmp_path):
         {"id": f"chat{n}_{part}", "messages": OPENAI["messages"]} for n in range(40) for part in range(3)
     ]
     path = write(tmp_path / "parts.jsonl", parts)
-    heldout = list(sources.split_conversations(str(path), "heldout", 0.3))
-    train = list(sources.split_conversations(str(path), "train", 0.3))
+    heldout = list(corpora.split_conversations(str(path), "heldout", 0.3))
+    train = list(corpora.split_conversations(str(path), "train", 0.3))
     assert len(heldout) + len(train) == 120 and heldout and train
     assert not {c.split_key for c in heldout} & {c.split_key for c in train}
     assert all(len([c for c in heldout if c.split_key == key]) == 3 for key in {c.split_key for c in heldout})
@@ -254,11 +255,11 @@ def test_heldout_split_keeps_the_parts_of_one_chat_together(tmp_path):
 
 def test_sharegpt_wheel_reads_its_complete_conversations():
     stats = ReadStats()
-    found = sum(1 for _ in read_conversations(zoo.dataset_path("sharegpt"), stats, allow_truncated=True))
+    found = sum(1 for _ in read_conversations(corpora.dataset_path("sharegpt"), stats, allow_truncated=True))
     assert stats.read == 17_671 and found == stats.kept
     assert "stops inside record 17672" in stats.notes[0] and "17,671 complete records" in stats.notes[0]
     with pytest.raises(ConversationError, match="truncated"):  # the same file from a user: refused
-        list(read_conversations(zoo.dataset_path("sharegpt")))
+        list(read_conversations(corpora.dataset_path("sharegpt")))
 
 
 def test_text_kind_must_fit_the_corpus():
@@ -271,7 +272,7 @@ def test_text_kind_must_fit_the_corpus():
         sources.check_text_kind("sharegpt", "raw")
     with pytest.raises(DataError, match="holds evaluation prompts"):
         sources.check_text_kind("humaneval", "conversation")
-    assert len(zoo.humaneval_prompts()) == 164
+    assert len(corpora.humaneval_prompts()) == 164
 
 
 def conversation_file(tmp_path, n=24):
@@ -292,9 +293,9 @@ def conversation_file(tmp_path, n=24):
 
 @pytest.mark.parametrize("text", ["conversation", "regenerate"])
 def test_prepare_reads_conversations_and_reports_what_it_read(tmp_path, text):
-    from eagle3lib.capture import REGENERATED_DIR, prepare_for_run
-    from eagle3lib.readers import open_reader
-    from eagle3lib.target import Target
+    from eagle3lib.data.readers import open_reader
+    from eagle3lib.generation.capture import REGENERATED_DIR, prepare_for_run
+    from eagle3lib.target.model import Target
 
     path = conversation_file(tmp_path)
     params = load_params(
@@ -320,7 +321,7 @@ def test_prepare_reads_conversations_and_reports_what_it_read(tmp_path, text):
     found = prepare_for_run(target, params, "main", tmp_path / "run")
     assert found["conversations"]["read"] >= 1 and found["conversations"]["skipped"] == {}
     reader = open_reader(tmp_path / "run" / "00_prepare_data", target)
-    train_ids = {c.id for c in sources.split_conversations(str(path), "train", 0.2)}
+    train_ids = {c.id for c in corpora.split_conversations(str(path), "train", 0.2)}
     renderer = ChatRenderer(target.tokenizer, target.stop_token_ids)
     samples = list(reader.samples())
     if text == "conversation":
@@ -418,10 +419,10 @@ def test_a_text_corpus_is_regenerated_as_chat_prompts(tmp_path, capsys):
     ]
     assert cli.main(args) == 0
     written = list(read_conversations(out))
-    first = next(zoo.split_documents("stdlib-functions", "train"))
+    first = next(corpora.split_documents("stdlib-functions", "train"))
     assert written[0].id == first.id and len(written) == 2
     user, assistant = written[0].messages
-    assert user["content"] == f"{zoo.HUMANEVAL_INSTRUCTION}\n\n{first.text}"
+    assert user["content"] == f"{corpora.HUMANEVAL_INSTRUCTION}\n\n{first.text}"
     assert (
         first.text.startswith("```python\ndef ") and '"""' in first.text and assistant["role"] == "assistant"
     )
@@ -430,9 +431,10 @@ def test_a_text_corpus_is_regenerated_as_chat_prompts(tmp_path, capsys):
 
 
 def test_online_training_reads_conversations_as_00_does(tmp_path):
-    from eagle3lib import online, runs
+    from eagle3lib import runs
     from eagle3lib.files import read_safetensors
-    from eagle3lib.target import Target
+    from eagle3lib.generation import online
+    from eagle3lib.target.model import Target
 
     path = conversation_file(tmp_path)
     params = runs.load_params(
@@ -461,7 +463,7 @@ def test_online_training_reads_conversations_as_00_does(tmp_path):
     )
     text = read_safetensors(tmp_path / "04_finetune" / online.FOLDER / online.TEXT_FILE)
     renderer = ChatRenderer(target.tokenizer, target.stop_token_ids, loss_turns="last")
-    train_ids = {c.id for c in sources.split_conversations(str(path), "train", 0.2)}
+    train_ids = {c.id for c in corpora.split_conversations(str(path), "train", 0.2)}
     rendered = {c.id: renderer.render(c, 64) for c in read_conversations(path) if c.id in train_ids}
     for ids, mask in zip(
         text["input_ids"].split(text["sample_lengths"].tolist()),

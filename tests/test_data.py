@@ -10,12 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3lib import capture, sources, zoo
-from eagle3lib.capture import DataWriter
-from eagle3lib.data import DataError
+from eagle3lib.data import corpora, sources
+from eagle3lib.data.layout import DataError
+from eagle3lib.data.readers import open_reader
+from eagle3lib.generation import capture
+from eagle3lib.generation.capture import DataWriter
 from eagle3lib.params import DEFAULTS
-from eagle3lib.readers import open_reader
-from eagle3lib.target import Target
+from eagle3lib.target.model import Target
 
 H, A, VT = 8, 3, 50
 TARGET_INFO = {
@@ -266,7 +267,7 @@ def test_prepare_raw_text_matches_a_fresh_capture(tiny, tmp_path):
         )
     assert torch.equal(reader.head["lm_head.weight"], tiny.lm_head.weight)
     # the text is the training split's documents, in stream order (the pool is sorted by length)
-    texts = [d.text for d in islice(zoo.split_documents("stdlib-code", "train"), 20)]
+    texts = [d.text for d in islice(corpora.split_documents("stdlib-code", "train"), 20)]
     assert all(any(tiny.tokenizer.decode(s["input_ids"]) in t for t in texts) for s in reader.samples())
 
 
@@ -275,9 +276,10 @@ def test_self_distilled_samples_learn_only_the_reply(tiny):
         tiny, "pydoc-prose", seq_len=256, max_new_tokens=6, prompt_chars=120, batch_size=2
     )
     samples = [next(generator), next(generator)]
-    docs = list(islice(zoo.split_documents("pydoc-prose", "train"), 2))
+    docs = list(islice(corpora.split_documents("pydoc-prose", "train"), 2))
     for sample, doc in zip(samples, docs, strict=True):
-        prompt = sources.chat_prompt_ids(tiny.tokenizer, zoo.opening(doc.text, 120), "pydoc-prose")
+        asked = f"{corpora.INSTRUCTIONS['pydoc-prose']}\n\n{corpora.opening(doc.text, 120)}"
+        prompt = sources.chat_prompt_ids(tiny.tokenizer, [{"role": "user", "content": asked}])
         assert sample.input_ids[: len(prompt)].tolist() == prompt
         assert not sample.loss_mask[: len(prompt)].any() and sample.loss_mask[len(prompt) :].all()
         assert 1 <= len(sample.input_ids) - len(prompt) <= 6

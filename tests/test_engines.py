@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagle3lib import engines, evaluate
-from eagle3lib.checkpoint import save_drafter
-from eagle3lib.config import read_config
-from eagle3lib.model import Eagle3Drafter
+from eagle3lib.decoding import engines, evaluate
+from eagle3lib.drafter.checkpoint import save_drafter
+from eagle3lib.drafter.config import read_config
+from eagle3lib.drafter.model import Eagle3Drafter
 from eagle3lib.params import ParamsError
 from tests.tiny import tiny_drafter_config
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3lib.config import ConfigError
-from eagle3lib.model import Eagle3Drafter
+from eagle3lib.drafter.config import ConfigError
+from eagle3lib.drafter.model import Eagle3Drafter
 from tests.tiny import tiny_drafter_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators-0.9.0"
@@ -46,7 +46,7 @@ def tiny_drafter(seed: int = 0, **overrides) -> Eagle3Drafter:
 
 def fixture_drafter(name: str) -> tuple[Eagle3Drafter, dict]:
     """Fixture weights loaded by hand (the checkpoint loader has its own tests)."""
-    from eagle3lib.config import read_config
+    from eagle3lib.drafter.config import read_config
 
     config, _, _ = read_config(FIXTURES / name)
     tensors = {
@@ -353,7 +353,7 @@ def ttt_attention_inputs(steps: int, T: int = 7, dtype=torch.float64):
 
 @pytest.mark.parametrize("steps", [2, 4])
 def test_prefix_and_diagonals_attention_is_exact_with_exact_gradients(steps):
-    from eagle3lib.ttt_attention import PrefixAndDiagonalsAttention
+    from eagle3lib.drafter.ttt_attention import PrefixAndDiagonalsAttention
 
     q, *kv = [t.requires_grad_() for t in ttt_attention_inputs(steps)]
     keys, values = kv[:steps], kv[steps:]
@@ -374,7 +374,7 @@ def test_prefix_and_diagonals_attention_is_exact_with_exact_gradients(steps):
 @pytest.mark.parametrize("score_elements", [300, 2**26])  # blocks of 3 query rows, or all 8 at once
 def test_blocked_causal_attention_matches_the_fused_kernel(score_elements, monkeypatch):
     """The off-CPU path (blocks of query rows in plain torch) against the CPU's fused kernel."""
-    from eagle3lib.ttt_attention import (
+    from eagle3lib.drafter.ttt_attention import (
         BlockedCausalAttention,
         causal_attention_backward,
         causal_attention_with_lse,
@@ -397,7 +397,7 @@ def test_blocked_causal_attention_matches_the_fused_kernel(score_elements, monke
 @pytest.mark.parametrize("device", DEVICES)
 def test_unroll_gradients_match_the_masked_reference_in_bfloat16_autocast(device):
     """The trainer's setting, bf16 autocast over float32 weights: gradients as with masked attention."""
-    from eagle3lib import ttt_attention
+    from eagle3lib.drafter import ttt_attention
 
     def masked_attend(cache, q, k, v, attention_mask):
         cache.keys.append(k)
@@ -441,7 +441,7 @@ def masked_attention_on_cpu(q, kv, dtype=torch.float64):
 def test_prefix_kernel_is_chosen_by_device_and_support(monkeypatch):
     """Device type picks the list of fused kernels; on CUDA torch's SDPA checks decide between flash, the
     memory-efficient kernel and the blocked path, asked about the inputs as the kernel will get them."""
-    from eagle3lib import ttt_attention
+    from eagle3lib.drafter import ttt_attention
 
     cuda_kernels = (ttt_attention.CUDA_FLASH_KERNEL, ttt_attention.CUDA_EFFICIENT_KERNEL)
     assert ttt_attention.FUSED_PREFIX_KERNELS["cuda"] == cuda_kernels
@@ -485,7 +485,7 @@ def test_prefix_kernel_is_chosen_by_device_and_support(monkeypatch):
 def test_cuda_kernels_call_the_real_ops_as_their_schemas_say(kernel_name, dtype):
     """The real CUDA ops on meta tensors: torch binds every argument against the op's schema and its meta
     function gives the shapes the CUDA kernel would (the efficient kernel's log-sum-exp padded to 64 rows)."""
-    from eagle3lib import ttt_attention
+    from eagle3lib.drafter import ttt_attention
 
     kernel = getattr(ttt_attention, kernel_name)
     q = torch.empty(2, 6, 40, 16, device="meta", dtype=dtype)
@@ -529,7 +529,7 @@ class StandInCudaOps:
     def efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *,
                   scale=None):
         assert key.shape == query.shape and attn_bias is None and compute_log_sumexp and is_causal
-        from eagle3lib.ttt_attention import efficient_lse_length
+        from eagle3lib.drafter.ttt_attention import efficient_lse_length
 
         StandInCudaOps.calls.append("efficient")
         out, lse = CPU_FLASH(query, key, value, is_causal=True)
@@ -540,7 +540,7 @@ class StandInCudaOps:
     @staticmethod
     def efficient_backward(grad_out_, query, key, value, attn_bias, out, logsumexp, philox_seed,
                            philox_offset, dropout_p, grad_input_mask, is_causal=False, *, scale=None):
-        from eagle3lib.ttt_attention import efficient_lse_length
+        from eagle3lib.drafter.ttt_attention import efficient_lse_length
 
         T = query.shape[2]
         assert attn_bias is None and dropout_p == 0.0 and list(grad_input_mask) == [True, True, True, False]
@@ -557,7 +557,7 @@ class StandInCudaOps:
 def test_stand_in_cuda_ops_have_the_real_signatures(op):
     import inspect
 
-    from eagle3lib.ttt_attention import CudaAttentionOps
+    from eagle3lib.drafter.ttt_attention import CudaAttentionOps
 
     schema = getattr(CudaAttentionOps, op)._schema
     parameters = inspect.signature(getattr(StandInCudaOps, op)).parameters.values()
@@ -570,7 +570,7 @@ def test_stand_in_cuda_ops_have_the_real_signatures(op):
 def test_cuda_kernel_code_with_stand_in_ops_is_exact(kernel_name, monkeypatch):
     """PrefixAndDiagonalsAttention on a CUDA kernel's code, its ops stood in for by the CPU's: output and
     gradients as the masked softmax's, to float64 rounding."""
-    from eagle3lib import ttt_attention
+    from eagle3lib.drafter import ttt_attention
 
     for op in ("flash", "flash_backward", "efficient", "efficient_backward"):
         monkeypatch.setattr(ttt_attention.CudaAttentionOps, op, getattr(StandInCudaOps, op))
@@ -600,7 +600,7 @@ ATTENTION_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 def test_fused_blocked_and_masked_attention_agree_on(device, dtype):
     """The TTT attention of step 3 on the device's fused kernel and on the blocked path, forward and backward,
     against the masked softmax in float64 (of the same rounded inputs)."""
-    from eagle3lib import ttt_attention
+    from eagle3lib.drafter import ttt_attention
 
     steps = 4
     generator = torch.Generator().manual_seed(0)
@@ -631,7 +631,7 @@ def test_fused_blocked_and_masked_attention_agree_on(device, dtype):
 def test_greedy_speculation_is_lossless_in_float32_on(device):
     """Chain and tree drafting on the device: exactly the target's own greedy tokens (test_speculate's
     random pair; its CPU tests are there)."""
-    from eagle3lib import speculate
+    from eagle3lib.decoding import speculate
     from tests.test_speculate import SETTINGS, random_pair
 
     target, drafter = random_pair(vocab=64, draft_vocab=24)
@@ -650,7 +650,7 @@ def test_gpu_check_runs_its_training_step_code_on_the_cpu(monkeypatch, capsys):
     import argparse
     import sys
 
-    from eagle3lib.ttt_attention import BLOCKED_KERNEL
+    from eagle3lib.drafter.ttt_attention import BLOCKED_KERNEL
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "bench"))
     import gpu_check

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from eagle3lib import data, readers
+from eagle3lib.data import layout as data
+from eagle3lib.data import readers
+from eagle3lib.drafter.vocab import VocabMap
 from eagle3lib.params import load_params
-from eagle3lib.vocab import VocabMap
 from tests.notebook_harness import run_notebook
 
 

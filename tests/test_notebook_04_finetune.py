@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from eagle3lib import train
-from eagle3lib.checkpoint import load_drafter
+from eagle3lib.drafter.checkpoint import load_drafter
+from eagle3lib.training import train
 from tests.notebook_harness import run_notebook
 from tests.test_train import VD, _other_map, _trained_drafter, data_folder, synthetic_data  # noqa: F401
 

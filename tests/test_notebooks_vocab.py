@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3lib import files
-from eagle3lib.checkpoint import load_drafter
+from eagle3lib.drafter.checkpoint import load_drafter
+from eagle3lib.drafter.vocab import VocabMap
 from eagle3lib.params import ParamsError, load_params
-from eagle3lib.remap import notebook_inputs
-from eagle3lib.vocab import VocabMap
+from eagle3lib.training.remap import notebook_inputs
 from tests.notebook_harness import run_notebook
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -6,14 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3lib import online, train
-from eagle3lib.capture import prepare_for_run
-from eagle3lib.checkpoint import load_drafter
-from eagle3lib.data import DataError
+from eagle3lib.data.layout import DataError
+from eagle3lib.drafter.checkpoint import load_drafter
+from eagle3lib.drafter.vocab import VocabMap
+from eagle3lib.generation import online
+from eagle3lib.generation.capture import prepare_for_run
 from eagle3lib.params import load_params
-from eagle3lib.target import Target
-from eagle3lib.trainer import TrainingError
-from eagle3lib.vocab import VocabMap
+from eagle3lib.target.model import Target
+from eagle3lib.training import train
+from eagle3lib.training.trainer import TrainingError
 from tests.test_train import train_interrupted
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

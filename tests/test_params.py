@@ -6,8 +6,10 @@ from dataclasses import fields, make_dataclass
 
 import pytest
 
-from eagle3lib import online, params, runs, train, trainer
+from eagle3lib import params, runs
+from eagle3lib.generation import online
 from eagle3lib.params import DataSection, ParamsError, TrainSection, keys_with, load_params, setting
+from eagle3lib.training import train, trainer
 
 
 def leaf_fields(section: type = params.Params, prefix: str = ""):

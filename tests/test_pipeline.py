@@ -16,9 +16,10 @@ import stat
 import pytest
 import torch
 
-from eagle3lib import cli, publish, report, runs
-from eagle3lib.checkpoint import load_drafter
+from eagle3lib import cli, runs
+from eagle3lib.drafter.checkpoint import load_drafter
 from eagle3lib.params import load_params
+from eagle3lib.reports import publish, report
 
 SOURCE = "@00_prepare_data/source_drafter"
 CHAINED = {

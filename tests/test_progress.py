@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from eagle3lib import progress, runs
-from eagle3lib.target import Target
+from eagle3lib.target.model import Target
 
 
 def test_headless_progress_prints_one_final_line(monkeypatch, capsys):

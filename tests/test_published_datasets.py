@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from eagle3lib.capture import training_text
-from eagle3lib.conversations import ReadStats, read_conversations
+from eagle3lib.data.conversations import ReadStats, read_conversations
+from eagle3lib.generation.capture import training_text
+from eagle3lib.generation.regenerate import FORMAT, TargetFacts, file_sha256
 from eagle3lib.params import load_params
-from eagle3lib.regenerate import FORMAT, TargetFacts, file_sha256
 from eagle3lib.runs import REPO_ROOT
 
 MANIFESTS = sorted((REPO_ROOT / "datasets").glob("**/*.manifest.json"))

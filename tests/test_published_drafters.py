@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 from transformers import LlamaConfig
 
-from eagle3lib import files, publish, zoo
-from eagle3lib.checkpoint import load_drafter
-from eagle3lib.config import default_aux_layer_ids
+from eagle3lib import files
+from eagle3lib.decoding.speculate import check_compatible
+from eagle3lib.drafter.checkpoint import load_drafter
+from eagle3lib.drafter.config import default_aux_layer_ids
 from eagle3lib.params import load_params
-from eagle3lib.speculate import check_compatible
+from eagle3lib.reports import publish
+from eagle3lib.target import zoo
 
 DRAFTERS = sorted(publish.DEMO_SOURCE_DRAFTER.parent.glob("*/provenance.json"))
 SMOLLM2 = LlamaConfig(num_hidden_layers=30, hidden_size=576, vocab_size=49152)  # SmolLM2-135M-Instruct

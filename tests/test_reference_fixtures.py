@@ -17,10 +17,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from eagle3lib import checkpoint
-from eagle3lib.checkpoint import CheckpointError, convert, load_drafter, read_tensors
 from eagle3lib.cli import main as cli_main
-from eagle3lib.config import EngineMismatchError
+from eagle3lib.drafter.checkpoint import CheckpointError, convert, load_drafter, read_tensors
+from eagle3lib.drafter.config import EngineMismatchError
+from eagle3lib.drafter.inspection import inspect_checkpoint
 
 REFERENCE = Path(__file__).parent / "fixtures" / "reference"
 PROVENANCE = json.loads((REFERENCE / "provenance.json").read_text())
@@ -216,7 +216,7 @@ def test_cli_inspect_and_convert_a_specforge_checkpoint(inputs, tmp_path, capsys
     assert cli_main(arguments) == 0
     assert FIXTURES["specforge-run"]["summary"] in capsys.readouterr().out
     assert_same_tensors(tensors_of(out), stored_tensors("specforge-run"))
-    info = checkpoint.inspect_checkpoint(out)
+    info = inspect_checkpoint(out)
     assert info["report"]["ok"] and info["layout"] == "sglang"
     drafter, _ = load_drafter(out, strict=True)
     drafter.attach_embedding(inputs["embedding"])

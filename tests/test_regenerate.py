@@ -10,10 +10,10 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from eagle3lib import regenerate as regen
-from eagle3lib.conversations import ChatRenderer, Conversation, read_conversations
-from eagle3lib.speculate import decode_target_only
-from eagle3lib.target import Target
+from eagle3lib.data.conversations import ChatRenderer, Conversation, read_conversations
+from eagle3lib.decoding.speculate import decode_target_only
+from eagle3lib.generation import regenerate as regen
+from eagle3lib.target.model import Target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -12,10 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3lib import cli
-from eagle3lib.checkpoint import detect_layout, load_drafter
-from eagle3lib.config import DrafterConfig
-from eagle3lib.model import Eagle3Drafter
-from eagle3lib.remap import (
+from eagle3lib.drafter.checkpoint import detect_layout, load_drafter
+from eagle3lib.drafter.config import DrafterConfig
+from eagle3lib.drafter.model import Eagle3Drafter
+from eagle3lib.drafter.vocab import VocabMap, VocabMapError
+from eagle3lib.training.remap import (
     RemapError,
     prove_logits_preserved,
     remap_checkpoint,
@@ -23,7 +24,6 @@ from eagle3lib.remap import (
     remap_rows,
     source_positions,
 )
-from eagle3lib.vocab import VocabMap, VocabMapError
 
 VT, VD = 512, 96
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -10,8 +10,9 @@ import matplotlib.figure
 import nbformat
 import pytest
 
-from eagle3lib import cli, report, runs
+from eagle3lib import cli, runs
 from eagle3lib.params import load_params
+from eagle3lib.reports import report
 
 
 def executed_notebook(path, found_text: str):

@@ -15,8 +15,9 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from eagle3lib import capture, cli, files, runs
-from eagle3lib.data import DataError
+from eagle3lib import cli, files, runs
+from eagle3lib.data.layout import DataError
+from eagle3lib.generation import capture
 from eagle3lib.params import DEFAULTS, ParamsError, load_params, parse_override
 from tests.notebook_harness import run_notebook
 

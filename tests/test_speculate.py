@@ -24,12 +24,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer
 
-from eagle3lib import probe, speculate, zoo
-from eagle3lib.checkpoint import load_drafter, save_drafter
-from eagle3lib.config import DrafterConfig
-from eagle3lib.model import Eagle3Drafter
-from eagle3lib.speculate import DraftSettings, DraftTree, SpeculativeDecoder
-from eagle3lib.target import Target
+from eagle3lib.decoding import probe, speculate
+from eagle3lib.decoding.speculate import DraftSettings, DraftTree, SpeculativeDecoder
+from eagle3lib.drafter.checkpoint import load_drafter, save_drafter
+from eagle3lib.drafter.config import DrafterConfig
+from eagle3lib.drafter.model import Eagle3Drafter
+from eagle3lib.target import zoo
+from eagle3lib.target.model import Target
 
 V = 32  # target vocab = hidden size (one-hot embeddings)
 AUX = [0, 1, 3]

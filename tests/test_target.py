@@ -7,8 +7,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3lib import devices
-from eagle3lib.target import Target, TargetError, resolve_dtype
-from eagle3lib.trainer import autocast_dtype
+from eagle3lib.target.model import Target, TargetError, resolve_dtype
+from eagle3lib.training.trainer import autocast_dtype
 
 N_LAYERS = 8
 

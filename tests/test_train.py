@@ -17,21 +17,23 @@ import re
 import pytest
 import torch
 
-from eagle3lib import loss, publish, runs, train, trainer
-from eagle3lib.capture import DataWriter
-from eagle3lib.checkpoint import load_drafter, save_drafter
-from eagle3lib.config import EngineMismatchError
+from eagle3lib import runs
+from eagle3lib.data.readers import TrainingData
+from eagle3lib.drafter.checkpoint import load_drafter, save_drafter
+from eagle3lib.drafter.config import EngineMismatchError
+from eagle3lib.drafter.vocab import VocabMap, load_counts
+from eagle3lib.generation.capture import DataWriter
 from eagle3lib.params import DEFAULTS, load_params
-from eagle3lib.trainer import (
+from eagle3lib.reports import publish
+from eagle3lib.training import loss, train, trainer
+from eagle3lib.training.trainer import (
     STATE_FILE,
     BatchStream,
     Processes,
     Trainer,
-    TrainingData,
     TrainingDiverged,
     TrainingError,
 )
-from eagle3lib.vocab import VocabMap, load_counts
 
 VT, VD, H, A, T = 128, 64, 32, 3, 16
 SCRATCH = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64,

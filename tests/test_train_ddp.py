@@ -1,4 +1,4 @@
-"""Data-parallel training: `torchrun --nproc_per_node 2 -m eagle3lib.train` (gloo, CPU) gives what one
+"""Data-parallel training: `torchrun --nproc_per_node 2 -m eagle3lib.training.train` (gloo) gives what one
 process gives with the same global batch."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3lib import train
-from eagle3lib.checkpoint import load_drafter
-from eagle3lib.trainer import TrainingError
+from eagle3lib.drafter.checkpoint import load_drafter
+from eagle3lib.training import train
+from eagle3lib.training.trainer import TrainingError
 from tests.test_train import data_folder, tiny_params  # noqa: F401  (data_folder is a fixture)
 
 STEPS = 4

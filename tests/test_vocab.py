@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3lib import cli
-from eagle3lib.vocab import VocabMap, VocabMapError, diff, load_counts
+from eagle3lib.drafter.vocab import VocabMap, VocabMapError, diff, load_counts
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators-0.9.0"
 

@@ -1,15 +1,14 @@
-"""The zoo: tiny-llama built deterministically into a cache, clear errors, offline corpora and splits."""
+"""The zoo: tiny-llama built deterministically into a cache, clear errors."""
 
 from __future__ import annotations
 
 import importlib.util
-from itertools import islice
 
 import pytest
 import torch
 
-from eagle3lib import zoo
-from eagle3lib.target import Target
+from eagle3lib.target import zoo
+from eagle3lib.target.model import Target
 
 
 @pytest.fixture(scope="module")
@@ -70,34 +69,3 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
     assert zoo.cache_dir(tmp_path / "param") == tmp_path / "param"
     monkeypatch.delenv("EAGLE3LIB_CACHE")
     assert str(zoo.cache_dir()).endswith(".cache/eagle3lib/zoo")
-
-
-@pytest.mark.parametrize("corpus", zoo.CORPORA)
-def test_corpus_splits_are_disjoint_and_deterministic(corpus):
-    train = list(islice(zoo.split_documents(corpus, "train"), 60))
-    heldout = list(islice(zoo.split_documents(corpus, "heldout"), 6))
-    assert len(train) == 60 and len(heldout) == 6
-    assert not {d.id for d in train} & {d.id for d in heldout}
-    assert [d.id for d in islice(zoo.split_documents(corpus, "train"), 60)] == [d.id for d in train]
-    # the split of a document does not depend on the stream order (seed)
-    reseeded = list(islice(zoo.split_documents(corpus, "heldout", seed=7), 6))
-    assert all(zoo.is_heldout(d.id, 0.1) for d in reseeded)
-    assert [d.id for d in reseeded] != [d.id for d in heldout]
-
-
-def test_heldout_prompts(monkeypatch):
-    prompts = zoo.heldout_prompts("stdlib-code", 8, max_chars=300)
-    assert len(prompts) == 8 and all(0 < len(p) <= 300 for p in prompts)
-    assert zoo.heldout_prompts("stdlib-code", 8, max_chars=300) == prompts
-    train_texts = {d.text[:300] for d in islice(zoo.split_documents("stdlib-code", "train"), 500)}
-    assert not any(p in train_texts for p in prompts)
-    prose = zoo.heldout_prompts("pydoc-prose", 4)
-    assert all(p.count(" ") > 10 for p in prose)  # sentences, not code
-    monkeypatch.setattr(zoo, "split_documents", lambda *a, **k: iter([zoo.Document("x", "only one")]))
-    with pytest.raises(ValueError, match="only 1 held-out"):
-        zoo.heldout_prompts("stdlib-code", 2)
-
-
-def test_unknown_corpus():
-    with pytest.raises(zoo.ZooError, match="stdlib-code"):
-        next(zoo.documents("wikipedia"))

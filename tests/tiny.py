@@ -3,7 +3,7 @@ mixed-up dimension fails loudly."""
 
 from __future__ import annotations
 
-from eagle3lib.config import DrafterConfig
+from eagle3lib.drafter.config import DrafterConfig
 
 TINY_DRAFTER = dict(
     hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,

@@ -30,8 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle3lib.conversations import ChatRenderer, Conversation, ConversationError
-from eagle3lib.data import DataError
+from eagle3lib.data.conversations import ChatRenderer, Conversation, ConversationError
+from eagle3lib.data.layout import DataError
 from eagle3lib.files import atomic_write_text, file_sha256
 from eagle3lib.progress import progress
 from eagle3lib.runs import git_commit
@@ -105,7 +105,7 @@ class Engine:
 
 
 class BuiltinEngine(Engine):
-    """The target in this process (`eagle3lib.target.Target`), prompts of similar length decoded together."""
+    """The target in this process (`target.model.Target`), prompts of similar length decoded together."""
 
     def __init__(self, target, settings: RegenerationSettings):
         self.target, self.settings = target, settings
@@ -114,8 +114,8 @@ class BuiltinEngine(Engine):
     def replies(self, requests: list[Request]) -> list[Reply]:
         import torch
 
-        from eagle3lib.probe import batches_by_length
-        from eagle3lib.speculate import decode_target_only
+        from eagle3lib.decoding.probe import batches_by_length
+        from eagle3lib.decoding.speculate import decode_target_only
 
         found: dict[int, Reply] = {}
         prompts = [r.prompt_ids for r in requests]
@@ -139,7 +139,7 @@ class VllmEngine(Engine):
 
     def __init__(self, target_folder: Path, tokenizer, stop_ids: list[int], settings: RegenerationSettings,
                  log_path: Path, max_model_len: int):
-        from eagle3lib.engines import VllmGenerator
+        from eagle3lib.decoding.engines import VllmGenerator
 
         self.tokenizer, self.stop_ids, self.settings = tokenizer, set(stop_ids), settings
         dtype = "bfloat16" if settings.dtype == "auto" else settings.dtype
@@ -188,7 +188,7 @@ class ServerEngine(Engine):
 
 
 def make_engine(settings: RegenerationSettings, target, renderer: ChatRenderer, work_dir: Path) -> Engine:
-    """The engine `settings.engine` names, for `target` (an `eagle3lib.target.Target`; vllm and server use
+    """The engine `settings.engine` names, for `target` (a `target.model.Target`; vllm and server use
     only its name, tokenizer and stop tokens)."""
     settings.check()
     if settings.engine == "builtin":
@@ -197,7 +197,7 @@ def make_engine(settings: RegenerationSettings, target, renderer: ChatRenderer, 
                                     f"set target.dtype to {settings.dtype}, or the regeneration's to auto")
         return BuiltinEngine(target, settings)
     if settings.engine == "vllm":
-        from eagle3lib.engines import target_folder
+        from eagle3lib.decoding.engines import target_folder
 
         max_model_len = settings.max_prompt_tokens + settings.max_new_tokens + 8
         return VllmEngine(target_folder(target.name), renderer.tokenizer, target.stop_token_ids, settings,
@@ -225,8 +225,8 @@ class TargetFacts:
     def read(cls, spec: str, cache_dir: str = "") -> TargetFacts:
         from transformers import AutoTokenizer
 
-        from eagle3lib.engines import target_folder
-        from eagle3lib.target import stop_token_ids
+        from eagle3lib.decoding.engines import target_folder
+        from eagle3lib.target.model import stop_token_ids
 
         folder = target_folder(spec, cache_dir)
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -3,8 +3,8 @@ engines count them (docs/formats.md §6), against the target decoding the same p
 
 Prompts are decoded `batch_size` at a time, grouped by length so that left padding wastes little
 (`batches_by_length`); every prompt draws its random numbers from its own generator, so τ and the outputs do
-not depend on the batching. `probe` speculates with `eagle3lib.speculate`, decodes the target-only baseline
-(or reuses one given), and returns the metrics with τ's bootstrap interval (`eagle3lib.intervals`).
+not depend on the batching. `probe` speculates with `decoding.speculate`, decodes the target-only baseline
+(or reuses one given), and returns the metrics with τ's bootstrap interval (`eagle3lib.decoding.intervals`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from eagle3lib import intervals
-from eagle3lib.progress import progress
-from eagle3lib.speculate import (
+from eagle3lib.decoding import intervals
+from eagle3lib.decoding.speculate import (
     BatchOutput,
     DraftSettings,
     Generation,
@@ -24,6 +23,7 @@ from eagle3lib.speculate import (
     SpeculativeDecoder,
     decode_target_only,
 )
+from eagle3lib.progress import progress
 
 
 def acceptance_metrics(accepted: list[int], depth: int) -> dict:

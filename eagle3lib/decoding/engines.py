@@ -59,9 +59,9 @@ def check_backend(backend: str) -> None:
 def check_probe_settings(params: dict, drafter: bool = True) -> None:
     """Refuse `probe` settings that cannot work, naming the key, before a target is loaded: those of
     01_probe_drafter (its `drafter` too), and the decoding 05_evaluate shares with it (`drafter=False`)."""
-    from eagle3lib import benchmarks
+    from eagle3lib.data import benchmarks
+    from eagle3lib.decoding.speculate import DraftSettings
     from eagle3lib.params import check_positive
-    from eagle3lib.speculate import DraftSettings
 
     p = params["probe"]
     check_backend(p["backend"])
@@ -80,7 +80,7 @@ def open_target(spec: str, backend: str, dtype: str = "auto", device: str = "aut
     engines load it themselves, so they get its Hugging Face folder, and the tokenizer is loaded here."""
     check_backend(backend)
     if backend == "builtin":
-        from eagle3lib.target import Target
+        from eagle3lib.target.model import Target
 
         target = Target.load(spec, dtype=dtype, device=device, cache_dir=cache_dir or None)
         return target, target.tokenizer
@@ -92,10 +92,10 @@ def open_target(spec: str, backend: str, dtype: str = "auto", device: str = "aut
 
 def probe_prompts(tokenizer, corpus: str, num_prompts: int, prompt_chars: int, chat: bool, reply=None
                   ) -> list[list[int]]:
-    """Token ids of a benchmark's prompts (`eagle3lib.benchmarks`: held-out documents or conversations,
+    """Token ids of a benchmark's prompts (`eagle3lib.data.benchmarks`: held-out documents or conversations,
     humaneval, a prompt file), as user turns of the target's chat template; `chat` False: text corpora's
     openings as they are. `reply` answers earlier turns of multi-turn questions (`target_replies`)."""
-    from eagle3lib import benchmarks
+    from eagle3lib.data import benchmarks
 
     if not chat:
         return benchmarks.plain_ids(tokenizer, corpus, num_prompts, prompt_chars)
@@ -105,8 +105,8 @@ def probe_prompts(tokenizer, corpus: str, num_prompts: int, prompt_chars: int, c
 def target_replies(target, max_new_tokens: int, batch_size: int):
     """The target's own greedy replies (text, up to its end of turn) to prompts: what later turns of a
     multi-turn benchmark are asked on (builtin backend; None for engines, which give none)."""
-    from eagle3lib.probe import batches_by_length
-    from eagle3lib.speculate import decode_target_only
+    from eagle3lib.decoding.probe import batches_by_length
+    from eagle3lib.decoding.speculate import decode_target_only
 
     if not hasattr(target, "model"):
         return None
@@ -164,7 +164,7 @@ def probe(
     reuse=None,
 ) -> EngineResult:
     """Probe `drafter` against `target` (as `open_target` gives it) on `prompts` with one backend: builtin
-    (`eagle3lib.probe`, `batch_size` prompts at a time, with the target-only baseline, decoded here
+    (`eagle3lib.decoding.probe`, `batch_size` prompts at a time, with the target-only baseline, decoded here
     unless an earlier result's `baseline` is given; `reuse`: a `speculate.PrefillCache` shared between
     probes of the same prompts), vllm or sglang."""
     from eagle3lib.files import resolve_path
@@ -174,12 +174,12 @@ def probe(
         raise ValueError("no drafter checkpoint given (probe.drafter is empty)")
     drafter = resolve_path(drafter)
     if backend == "builtin":
-        import eagle3lib.probe
-        from eagle3lib.checkpoint import load_drafter
+        import eagle3lib.decoding.probe
+        from eagle3lib.drafter.checkpoint import load_drafter
 
         model, report = load_drafter(drafter, dtype=target.dtype)
         model = model.to(target.device)
-        result = eagle3lib.probe.probe(
+        result = eagle3lib.decoding.probe.probe(
             target.model, model, prompts, settings, max_new_tokens, seed=seed, batch_size=batch_size,
             baseline=baseline, reuse=reuse,
         )
@@ -213,7 +213,7 @@ def probe(
 
 def target_folder(spec: str | os.PathLike, cache_dir: str | os.PathLike = "") -> Path:
     """A Hugging Face folder for a target spec (`zoo:<name>` or a path)."""
-    from eagle3lib import zoo
+    from eagle3lib.target import zoo
 
     folder = zoo.resolve(str(spec), cache_dir or None) if zoo.is_zoo_spec(spec) else Path(spec)
     if not (folder / "config.json").is_file():
@@ -226,8 +226,8 @@ def check_checkpoints(target: str | os.PathLike, drafter: str | os.PathLike):
     spends a minute starting up; returns the drafter's config and layout."""
     from transformers import AutoConfig
 
-    from eagle3lib.config import read_config
-    from eagle3lib.speculate import check_compatible
+    from eagle3lib.decoding.speculate import check_compatible
+    from eagle3lib.drafter.config import read_config
 
     folder = target_folder(target)
     text_config = AutoConfig.from_pretrained(folder).get_text_config()
@@ -258,7 +258,7 @@ def vllm_ready_drafter(
     """
     if layout != "sglang" or config.aux_layer_ids is None:
         return Path(drafter), []
-    from eagle3lib.checkpoint import convert
+    from eagle3lib.drafter.checkpoint import convert
 
     converted = work_dir / "drafter-speculators-layout"
     convert(drafter, converted, "speculators", engines=("vLLM",))  # vLLM takes the target's embedding
@@ -427,7 +427,7 @@ def _vllm_worker(request_path: str, result_path: str) -> None:
 
 class VllmGenerator:
     """vLLM in its own venv as one long-lived process that generates plainly (no drafter): batches of token
-    ids in, token ids and finish reasons out (regeneration, `eagle3lib.regenerate`). Requests go to its
+    ids in, token ids and finish reasons out (regeneration, `generation.regenerate`). Requests go to its
     stdin as JSON lines; answers come back on stdout behind `MARK`, and whatever else vLLM prints goes to
     `log_path`."""
 

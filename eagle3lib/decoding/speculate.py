@@ -20,7 +20,7 @@ columns stay behind as masked holes), and finished sequences leave the batch. A 
 would alone, so τ and the outputs do not depend on the batch size; speed does.
 
 Measuring a drafter with this (prompts in batches, the target-only baseline, τ and speed) is
-`eagle3lib.probe`.
+`eagle3lib.decoding.probe`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from eagle3lib.config import default_aux_layer_ids
+from eagle3lib.drafter.config import default_aux_layer_ids
 
 # ---------------------------------------------------------------- checks before any decoding
 

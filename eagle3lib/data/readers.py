@@ -1,6 +1,6 @@
 """Training batches from hidden states, one small reader per format behind one interface (`BatchReader`).
 
-- `FolderReader`: eagle3lib's own data folders (`eagle3lib.data` describes them; `manifest.json` is checked
+- `FolderReader`: eagle3lib's own data folders (`data.layout` describes them; `manifest.json` is checked
   against every shard on opening);
 - `SpecForgeDumpReader`: SpecForge's `data_*.ckpt` files (any depth): `input_ids`, `loss_mask`,
   `hidden_state` [1, T, H] (after the final norm), `aux_hidden_state` [1, T, A*H];
@@ -8,7 +8,7 @@
   `hidden_states` [T, A+1, H], the last slot the verifier's state before the final norm. speculators keeps
   loss masks in its Arrow dataset, which is not read here: a file's own `loss_mask` is used, else
   `assume_full_loss_mask=True` must be passed to train on every position;
-- `eagle3lib.online.OnlineReader`: no stored states, the target computes them for each batch.
+- `eagle3lib.generation.online.OnlineReader`: no stored states, the target computes them for each batch.
 `open_reader` picks the reader a folder's files call for. Every reader yields the same batches from the same
 samples: shards (or files) and the samples within them in a seeded order, each sample cut into windows of
 at most `seq_len` tokens (`window_plans`), right-padded (`collate`).
@@ -20,13 +20,14 @@ import json
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from eagle3lib.data import (
+from eagle3lib.data.layout import (
     AUX_CONVENTION,
     FORMAT,
     FORMAT_VERSION,
@@ -39,8 +40,9 @@ from eagle3lib.data import (
     dtype_name,
     load_target_head,
 )
+from eagle3lib.drafter.model import rms_norm
+from eagle3lib.drafter.vocab import VocabMap
 from eagle3lib.files import load_weights_only, read_safetensors, read_safetensors_header
-from eagle3lib.model import rms_norm
 
 
 class BatchReader(ABC):
@@ -555,3 +557,17 @@ def collate(samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     for row, sample in enumerate(samples):
         batch["attention_mask"][row, : sample["input_ids"].shape[0]] = True
     return batch
+
+
+@dataclass
+class TrainingData:
+    """What the trainer reads: batches, and what it needs besides them."""
+
+    reader: BatchReader
+    vocab_map: VocabMap
+    head: dict[str, torch.Tensor]  # the target's embed_tokens / norm / lm_head weights
+    target_hidden_size: int
+    vocab_size: int
+    aux_layer_ids: list[int]
+    target: str  # the target's name, for messages
+    verifier: str | None = None  # the target the data was captured from, where the data names it

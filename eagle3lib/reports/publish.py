@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from eagle3lib import files, plots, runs
-from eagle3lib.checkpoint import load_drafter, save_drafter
+from eagle3lib import files, runs
+from eagle3lib.drafter.checkpoint import load_drafter, save_drafter
+from eagle3lib.reports import plots
 
 PROVENANCE = "provenance.json"
 WEIGHTS = "model.safetensors"

@@ -1,4 +1,4 @@
-"""The fine-tuning experiment: arms of drafters trained with train-time test (TTT) by `eagle3lib.trainer`.
+"""The fine-tuning experiment: arms of drafters trained with train-time test (TTT) by `training.trainer`.
 
 One call trains every arm in `train.arms`, each into its own folder, with the same data, schedule and
 budget:
@@ -21,8 +21,8 @@ Outputs of an arm (folder `<out>/<arm>/`): `log.txt`, `load_report.txt`, `check.
 layout), `drafter-speculators/` on request, and `summary.json`.
 
 Command line (torchrun-able; gloo on CPU, nccl on GPU):
-    python -m eagle3lib.train --params FILE [-p train.steps=50 ...] --out DIR [--resume]
-    torchrun --nproc_per_node 2 -m eagle3lib.train --params FILE --out DIR
+    python -m eagle3lib.training.train --params FILE [-p train.steps=50 ...] --out DIR [--resume]
+    torchrun --nproc_per_node 2 -m eagle3lib.training.train --params FILE --out DIR
 """
 
 from __future__ import annotations
@@ -45,25 +45,19 @@ import torch.distributed as dist
 import yaml
 
 from eagle3lib import files, runs
-from eagle3lib.checkpoint import load_drafter, save_drafter
-from eagle3lib.config import LAYOUT_READERS, DrafterConfig, read_config
-from eagle3lib.data import DataError, prepared_dir, training_vocab_map
-from eagle3lib.loss import (
+from eagle3lib.data.layout import DataError, prepared_dir, training_vocab_map
+from eagle3lib.data.readers import TrainingData, open_reader
+from eagle3lib.drafter.checkpoint import load_drafter, save_drafter
+from eagle3lib.drafter.config import LAYOUT_READERS, DrafterConfig, read_config
+from eagle3lib.drafter.model import Eagle3Drafter
+from eagle3lib.generation.online import ensure_text, online_training_data
+from eagle3lib.params import STAND_IN_DATA_KEYS, STAND_IN_TRAIN_KEYS, load_params, minimums
+from eagle3lib.target.model import Target
+from eagle3lib.training.loss import (
     chance_loss,
 )
-from eagle3lib.model import Eagle3Drafter
-from eagle3lib.online import ensure_text, online_training_data
-from eagle3lib.params import STAND_IN_DATA_KEYS, STAND_IN_TRAIN_KEYS, load_params, minimums
-from eagle3lib.readers import open_reader
-from eagle3lib.remap import MISSING_POLICIES, drafter_map, remap_drafter
-from eagle3lib.target import Target
-from eagle3lib.trainer import (
-    Processes,
-    Trainer,
-    TrainingData,
-    TrainingError,
-    micro_batches_per_rank,
-)
+from eagle3lib.training.remap import MISSING_POLICIES, drafter_map, remap_drafter
+from eagle3lib.training.trainer import Processes, Trainer, TrainingError, micro_batches_per_rank
 
 ARMS = ("scratch", "drafter", "drafter-no-remap")
 
@@ -527,14 +521,14 @@ def train_stand_in(params: dict, run_dir: Path, target_fingerprint: str, cache: 
 
 
 def launch(params: dict, out: Path, run_dir: Path | None = None, resume: bool = False) -> None:
-    """Run `torchrun --nproc_per_node N -m eagle3lib.train` on these params, echoing its log as it goes."""
+    """Run `torchrun --nproc_per_node N -m eagle3lib.training.train` on these params, echoing its log."""
     files.make_folder(out)
     params_file = out / "train_params.yaml"
     files.atomic_write_text(params_file, yaml.safe_dump(params, sort_keys=False))
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={params['train']['nproc']}",
-        "-m", "eagle3lib.train", "--params", str(params_file), "--out", str(out),
+        "-m", "eagle3lib.training.train", "--params", str(params_file), "--out", str(out),
     ]
     if run_dir is not None:
         command += ["--run-dir", str(run_dir)]
@@ -575,7 +569,8 @@ def recipe_for_training(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eagle3lib.train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m eagle3lib.training.train",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--params", required=True, help="a recipe under params/")
     parser.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", help="output folder (default: outputs/<run.name>/04_finetune)")

@@ -13,7 +13,7 @@ import torch
 from matplotlib.figure import Figure
 
 from eagle3lib import devices
-from eagle3lib.vocab import VocabDiff, VocabMap
+from eagle3lib.drafter.vocab import VocabDiff, VocabMap
 
 
 def _finish(fig: Figure, path: str | os.PathLike | None) -> Figure:

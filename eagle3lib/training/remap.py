@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eagle3lib.data import TOKEN_COUNTS_FILE, VOCAB_MAP_FILE, load_target_head, prepared_dir
+from eagle3lib.data.layout import TOKEN_COUNTS_FILE, VOCAB_MAP_FILE, load_target_head, prepared_dir
+from eagle3lib.drafter.model import Eagle3Drafter
+from eagle3lib.drafter.vocab import VocabMap
 from eagle3lib.files import describe_occupant, resolve_path
-from eagle3lib.model import Eagle3Drafter
 from eagle3lib.params import ParamsError
 from eagle3lib.runs import PREPARE_DATA
-from eagle3lib.vocab import VocabMap
 
 MISSING_POLICIES = ("verifier", "mean", "zeros", "random")
 POLICY_NAMES = ", ".join(MISSING_POLICIES)
@@ -329,7 +329,7 @@ def remap_checkpoint(
     `target` (see `data.load_target_head`) supplies the rows for missing='verifier' and, for a drafter that
     carries no embedding, the token embedding the proof runs through. A failed proof writes nothing.
     """
-    from eagle3lib import checkpoint
+    from eagle3lib.drafter import checkpoint
 
     out = Path(out)
     if os.path.lexists(out):

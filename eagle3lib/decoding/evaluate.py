@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3lib import intervals
-from eagle3lib.benchmarks import Benchmark
+from eagle3lib.data.benchmarks import Benchmark
+from eagle3lib.decoding import intervals
+from eagle3lib.decoding.speculate import DraftSettings
 from eagle3lib.devices import machine_description
-from eagle3lib.speculate import DraftSettings
 
 
 def depth_grid(steps: list[int], tree: dict, temperature: float = 0.0) -> dict[str, DraftSettings]:
@@ -191,8 +191,8 @@ def engine_terms(settings: DraftSettings) -> str:
 def check_evaluate_settings(params: dict) -> None:
     """Refuse 05_evaluate's settings that cannot work, naming the key, before a target is loaded: the
     drafters, the benchmarks, the K sweep and the decoding it shares with `probe`."""
-    from eagle3lib import engines
-    from eagle3lib.benchmarks import check_corpus
+    from eagle3lib.data.benchmarks import check_corpus
+    from eagle3lib.decoding import engines
 
     engines.check_probe_settings(params, drafter=False)
     engines.drafter_entries(params["evaluate"]["drafters"])
@@ -390,7 +390,7 @@ def evaluate_drafters(
     """Probe every drafter on every benchmark (`evaluate.benchmarks`) with `probe`'s target and settings,
     compare them pairwise per benchmark, sweep draft depths on the first benchmark (builtin), and set the τ
     training predicted beside the τ measured."""
-    from eagle3lib import engines, speculate
+    from eagle3lib.decoding import engines, speculate
 
     p, e = params["probe"], params["evaluate"]
     dtype = p["dtype"] or params["target"]["dtype"]
@@ -454,7 +454,7 @@ def sweep_depths(
 ) -> dict[str, dict[str, dict]]:
     """Every drafter at every setting of the K sweep, `evaluate.sweep_batch_size` prompts at a time (1: one
     user's latency, where a CPU's speculation pays; a batch of 16 is compute-bound here) on `prompts`."""
-    from eagle3lib import engines, speculate
+    from eagle3lib.decoding import engines, speculate
 
     p, e = params["probe"], params["evaluate"]
     grid = depth_grid(e["sweep_steps"], e["sweep_tree"], p["temperature"])
@@ -498,7 +498,8 @@ def learning_curve(
     """τ of every checkpoint a trained arm kept and of its final drafter, per benchmark, against the tokens in
     the loss it had trained on by then (the `rows` of its metrics.jsonl): what more training data buys.
     Written to `<arm>/learning_curve.json`."""
-    from eagle3lib import engines, files, speculate
+    from eagle3lib import files
+    from eagle3lib.decoding import engines, speculate
 
     arm_folder = Path(arm_folder)
     logged = files.read_json_lines(arm_folder / "metrics.jsonl")

@@ -11,8 +11,8 @@ A data folder holds
 - `manifest.json`: the target (name, fingerprint, sizes), aux ids and their numbering, where the last
   hidden state was taken, dtype, counts, and the shard list. Readers check it against the shards.
 
-`eagle3lib.sources` makes the training text, `eagle3lib.capture` writes folders (through the target) and
-`eagle3lib.readers` reads them into batches, as it reads SpecForge and speculators dumps, which is how large
+`data.sources` makes the training text, `generation.capture` writes folders (through the target) and
+`data.readers` reads them into batches, as it reads SpecForge and speculators dumps, which is how large
 targets are captured with a serving engine.
 """
 
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from eagle3lib.drafter.vocab import VocabMap
 from eagle3lib.files import read_safetensors, read_safetensors_header, resolve_path
 from eagle3lib.runs import PREPARE_DATA
-from eagle3lib.vocab import VocabMap
 
 FORMAT = "eagle3lib-hidden-states"
 FORMAT_VERSION = 1
@@ -68,7 +68,7 @@ def load_target_head(
     path = Path(spec)
     file = path / TARGET_HEAD_FILE if path.is_dir() else path
     if not (file.is_file() and file.suffix == ".safetensors"):
-        from eagle3lib.target import Target
+        from eagle3lib.target.model import Target
 
         target = Target.load(spec, device="cpu")
         weights = target.head_weights()

@@ -26,14 +26,21 @@ import torch
 from torch import Tensor
 
 from eagle3lib import files
-from eagle3lib.capture import REGENERATED_DIR, capture_pools, parse_dtype, training_text
-from eagle3lib.data import TOKEN_COUNTS_FILE, VOCAB_MAP_FILE, DataError, training_vocab_map
+from eagle3lib.data.layout import TOKEN_COUNTS_FILE, VOCAB_MAP_FILE, DataError, training_vocab_map
+from eagle3lib.data.readers import (
+    BatchReader,
+    TrainingData,
+    collate,
+    reading_order,
+    shard_sizes,
+    window,
+    window_plans,
+)
+from eagle3lib.drafter.vocab import VocabMap
+from eagle3lib.generation.capture import REGENERATED_DIR, capture_pools, parse_dtype, training_text
 from eagle3lib.params import ONLINE_TEXT_KEYS
 from eagle3lib.progress import progress as progress_bar
-from eagle3lib.readers import BatchReader, collate, reading_order, shard_sizes, window, window_plans
-from eagle3lib.target import Target
-from eagle3lib.trainer import TrainingData
-from eagle3lib.vocab import VocabMap
+from eagle3lib.target.model import Target
 
 FORMAT = "eagle3lib-text"
 FOLDER = "online_data"

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3lib.data import DataError
+from eagle3lib.data.layout import DataError
 
 # Every role seen in the real ShareGPT files, and OpenAI's, mapped to the three a chat template knows.
 ROLES = {

@@ -20,10 +20,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from eagle3lib import zoo
-from eagle3lib.config import default_aux_layer_ids
 from eagle3lib.devices import fast_bf16, resolve_device
+from eagle3lib.drafter.config import default_aux_layer_ids
 from eagle3lib.progress import quiet_hf_loading
+from eagle3lib.target import zoo
 
 # Config keys that change what the model computes; other keys (paths, versions, dtype) do not.
 _ARCHITECTURE_KEYS = (

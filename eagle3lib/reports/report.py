@@ -13,7 +13,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 from eagle3lib import files, runs
-from eagle3lib.evaluate import summary_lines, tau_text
+from eagle3lib.decoding.evaluate import summary_lines, tau_text
 
 
 def _fmt(value) -> str:

@@ -1,4 +1,4 @@
-"""Capture: the target reads training text, and its hidden states go into a data folder (see `eagle3lib.data`
+"""Capture: the target reads training text, and its hidden states go into a data folder (see `data.layout`
 for the format); 00_prepare_data's steps for one corpus."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from eagle3lib import zoo
-from eagle3lib.conversations import LOSS_TURNS, ChatRenderer, ReadStats
-from eagle3lib.data import (
+from eagle3lib.data import corpora
+from eagle3lib.data.conversations import LOSS_TURNS, ChatRenderer, ReadStats
+from eagle3lib.data.corpora import conversation_source, split_conversations
+from eagle3lib.data.layout import (
     AUX_CONVENTION,
     FORMAT,
     FORMAT_VERSION,
@@ -30,21 +31,20 @@ from eagle3lib.data import (
     load_token_counts,
     prepared_dir,
 )
-from eagle3lib.files import save_safetensors, shareable_tree, staging_path
-from eagle3lib.params import check_positive
-from eagle3lib.progress import progress as progress_bar
-from eagle3lib.readers import collate, open_reader
-from eagle3lib.regenerate import make_engine, regenerate, settings_from_data, source_description
-from eagle3lib.sources import (
+from eagle3lib.data.readers import collate, open_reader
+from eagle3lib.data.sources import (
     Sample,
     check_text_kind,
     conversation_samples,
-    conversation_source,
     raw_samples,
     self_distilled_samples,
-    split_conversations,
 )
-from eagle3lib.vocab import VocabMap
+from eagle3lib.drafter.vocab import VocabMap
+from eagle3lib.files import save_safetensors, shareable_tree, staging_path
+from eagle3lib.generation.regenerate import make_engine, regenerate, settings_from_data, source_description
+from eagle3lib.params import check_positive
+from eagle3lib.progress import progress as progress_bar
+from eagle3lib.target import zoo
 
 # <run>/regenerated/<which>/: the target's replies 00_prepare_data wrote (data.text: regenerate)
 REGENERATED_DIR = "regenerated"
@@ -302,7 +302,7 @@ def prepare(target, data: dict, path: str | os.PathLike, *, aux_layer_ids: list[
 
 
 def training_text(target, data: dict, seed: int, work_dir: Path) -> tuple[Iterator[Sample], dict]:
-    """The training samples the `data` section describes (see `eagle3lib.sources`), and their provenance.
+    """The training samples the `data` section describes (see `eagle3lib.data.sources`), and their provenance.
 
     For conversations the provenance holds `conversations` (read, skipped by reason, turns dropped) and `cut`
     (what seq_len cut): counters filled as the samples are read, so a manifest written after the capture
@@ -313,10 +313,10 @@ def training_text(target, data: dict, seed: int, work_dir: Path) -> tuple[Iterat
     provenance = {"corpus": corpus, "split": "train", "heldout_fraction": data["heldout_fraction"],
                   "seed": seed, "text": text, "seq_len": seq_len}
     if text == "raw":
-        provenance |= zoo.corpus_description(corpus)
+        provenance |= corpora.corpus_description(corpus)
         return raw_samples(target.tokenizer, corpus, seq_len, data["heldout_fraction"], seed), provenance
     if text == "self-distill":
-        provenance |= zoo.corpus_description(corpus) | {
+        provenance |= corpora.corpus_description(corpus) | {
             "max_new_tokens": data["max_new_tokens"], "prompt_chars": data["prompt_chars"],
             "decoding": "greedy"}
         samples = self_distilled_samples(target, corpus, seq_len, data["max_new_tokens"],

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
-from eagle3lib import zoo
-from eagle3lib.data import DataError
+from eagle3lib.data import corpora
+from eagle3lib.data.corpora import INSTRUCTIONS, corpus_kind, split_conversations
+from eagle3lib.data.layout import DataError
 from eagle3lib.files import resolve_path
-from eagle3lib.sources import INSTRUCTIONS, corpus_kind, split_conversations
 
 PROMPT_KEYS = ("prompt", "turns")
 
@@ -54,9 +54,10 @@ class Benchmark:
 
 def check_corpus(corpus: str, key: str) -> None:
     """A name the zoo knows, or a file or folder that exists; else a ValueError naming `key`."""
-    if corpus in (*zoo.CORPORA, *zoo.CONVERSATION_CORPORA, *zoo.PROMPT_SETS) or resolve_path(corpus).exists():
+    known = (*corpora.CORPORA, *corpora.CONVERSATION_CORPORA, *corpora.PROMPT_SETS)
+    if corpus in known or resolve_path(corpus).exists():
         return
-    known = ", ".join((*zoo.CORPORA, *zoo.CONVERSATION_CORPORA, *zoo.PROMPT_SETS))
+    known = ", ".join((*corpora.CORPORA, *corpora.CONVERSATION_CORPORA, *corpora.PROMPT_SETS))
     raise ValueError(f"{key} {corpus!r}: neither a corpus the zoo knows ({known}) nor an existing file or "
                      "folder")
 
@@ -64,7 +65,7 @@ def check_corpus(corpus: str, key: str) -> None:
 def is_prompt_file(corpus: str) -> bool:
     """A `.jsonl` file whose first record holds `prompt` or `turns` (not `conversations`/`messages`)."""
     path = resolve_path(corpus)
-    if corpus in zoo.CORPORA or corpus in zoo.PROMPT_SETS or corpus in zoo.CONVERSATION_CORPORA:
+    if corpus in corpora.CORPORA or corpus in corpora.PROMPT_SETS or corpus in corpora.CONVERSATION_CORPORA:
         return False
     if not path.is_file() or not path.name.removesuffix(".gz").endswith(".jsonl"):
         return False
@@ -111,14 +112,14 @@ def questions(
 ) -> list[Question]:
     """The first `num_prompts` questions of a source (0: all of a prompt file or of humaneval)."""
     count = num_prompts or None
-    if corpus == zoo.HUMANEVAL:
-        found = [Question(task, (text,)) for task, text in zoo.humaneval_prompts()[:count]]
+    if corpus == corpora.HUMANEVAL:
+        found = [Question(task, (text,)) for task, text in corpora.humaneval_prompts()[:count]]
     elif is_prompt_file(corpus):
         found = prompt_file_questions(resolve_path(corpus))[:count]
     elif corpus_kind(corpus) == "documents":
         if not num_prompts:
             raise DataError(f"corpus {corpus!r}: give num_prompts (its held-out documents are many)")
-        texts = zoo.heldout_prompts(
+        texts = corpora.heldout_prompts(
             corpus, num_prompts, max_chars=prompt_chars, heldout_fraction=heldout_fraction, seed=seed
         )
         found = [
@@ -174,8 +175,9 @@ def plain_ids(
 ) -> list[list[int]]:
     """Held-out document openings without a chat template (`probe.chat: false`, text corpora only)."""
     if corpus_kind(corpus) != "documents" or is_prompt_file(corpus):
-        raise DataError(f"probe.chat false takes a text corpus ({', '.join(zoo.CORPORA)}), not {corpus!r}")
-    texts = zoo.heldout_prompts(
+        known = ", ".join(corpora.CORPORA)
+        raise DataError(f"probe.chat false takes a text corpus ({known}), not {corpus!r}")
+    texts = corpora.heldout_prompts(
         corpus, num_prompts, max_chars=prompt_chars, heldout_fraction=heldout_fraction, seed=seed
     )
     return [list(tokenizer(text)["input_ids"]) for text in texts]

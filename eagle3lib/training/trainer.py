@@ -1,7 +1,7 @@
 """The trainer: train-time-test steps of one drafter over a stream of batches, in-process or as one rank of
 a torchrun job; optimizer, schedule, accumulation, checkpoints and bit-for-bit resume.
 
-`eagle3lib.train` builds drafters and runs the experiment around this (arms, warm starts with the remap,
+`training.train` builds drafters and runs the experiment around this (arms, warm starts with the remap,
 the step-0 check, the torchrun launcher).
 """
 
@@ -25,9 +25,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from eagle3lib import files
-from eagle3lib.checkpoint import load_drafter, save_drafter
+from eagle3lib.data.readers import TrainingData
 from eagle3lib.devices import fast_bf16, resolve_device
-from eagle3lib.loss import (
+from eagle3lib.drafter.checkpoint import load_drafter, save_drafter
+from eagle3lib.drafter.model import Eagle3Drafter
+from eagle3lib.params import RESUME_FREE
+from eagle3lib.progress import progress as progress_bar
+from eagle3lib.training.loss import (
     StepSums,
     Targets,
     ce_row_counts,
@@ -38,27 +42,8 @@ from eagle3lib.loss import (
     ttt_sums,
     weighted_loss,
 )
-from eagle3lib.model import Eagle3Drafter
-from eagle3lib.params import RESUME_FREE
-from eagle3lib.progress import progress as progress_bar
-from eagle3lib.readers import BatchReader
-from eagle3lib.vocab import VocabMap
 
 STATE_FILE = "training_state.pt"
-
-
-@dataclass
-class TrainingData:
-    """What the trainer reads: batches, and what it needs besides them."""
-
-    reader: BatchReader
-    vocab_map: VocabMap
-    head: dict[str, torch.Tensor]  # the target's embed_tokens / norm / lm_head weights
-    target_hidden_size: int
-    vocab_size: int
-    aux_layer_ids: list[int]
-    target: str  # the target's name, for messages
-    verifier: str | None = None  # the target the data was captured from, where the data names it
 
 
 class TrainingError(ValueError):
