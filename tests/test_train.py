@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from eagle3lib import runs
+from eagle3lib.data import readers
 from eagle3lib.data.readers import TrainingData
 from eagle3lib.drafter.checkpoint import load_drafter, save_drafter
 from eagle3lib.drafter.config import EngineMismatchError
@@ -84,7 +85,7 @@ def data_folder(tmp_path_factory) -> dict:
 
 def synthetic_data(folders: dict) -> TrainingData:
     settings = {**DEFAULTS["train"], "data": folders["data"], "vocab_map": folders["vocab_map"]}
-    return train.offline_training_data(settings, None)
+    return readers.offline_training_data(settings, None)
 
 
 def tiny_params(folders: dict, **train_overrides) -> dict:

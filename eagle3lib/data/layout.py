@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from eagle3lib.drafter.vocab import VocabMap
-from eagle3lib.files import read_safetensors, read_safetensors_header, resolve_path
+from eagle3lib.files import read_safetensors, read_safetensors_header
 from eagle3lib.runs import PREPARE_DATA
 
 FORMAT = "eagle3lib-hidden-states"
@@ -91,14 +90,6 @@ def prepared_dir(run_dir: str | os.PathLike, which: str = "main") -> Path:
         raise ValueError(f"which must be 'main' or 'source', got {which!r}")
     step = Path(run_dir) / PREPARE_DATA
     return step if which == "main" else step / SOURCE_SUBDIR
-
-
-def training_vocab_map(train: dict, folder: Path, vocab_size: int) -> VocabMap:
-    """The draft vocab to train for: `train.vocab_map`, else the map of the data in `folder`."""
-    path = resolve_path(train["vocab_map"]) if train["vocab_map"] else folder / VOCAB_MAP_FILE
-    if not path.exists():
-        raise DataError(f"{path}: no vocab map (set train.vocab_map, or prepare the data with one)")
-    return VocabMap.load(path, vt=vocab_size)
 
 
 def load_token_counts(folder: str | os.PathLike) -> tuple[Tensor, Tensor]:

@@ -36,13 +36,15 @@ from eagle3lib.data.layout import (
     STORED_DTYPES,
     TARGET_HEAD_FILE,
     TOKEN_COUNTS_FILE,
+    VOCAB_MAP_FILE,
     DataError,
     dtype_name,
     load_target_head,
+    prepared_dir,
 )
 from eagle3lib.drafter.model import rms_norm
 from eagle3lib.drafter.vocab import VocabMap
-from eagle3lib.files import load_weights_only, read_safetensors, read_safetensors_header
+from eagle3lib.files import load_weights_only, read_safetensors, read_safetensors_header, resolve_path
 
 
 class BatchReader(ABC):
@@ -571,3 +573,36 @@ class TrainingData:
     aux_layer_ids: list[int]
     target: str  # the target's name, for messages
     verifier: str | None = None  # the target the data was captured from, where the data names it
+
+
+def training_vocab_map(train: dict, folder: Path, vocab_size: int) -> VocabMap:
+    """The draft vocab to train for: `train.vocab_map`, else the map of the data in `folder`."""
+    path = resolve_path(train["vocab_map"]) if train["vocab_map"] else folder / VOCAB_MAP_FILE
+    if not path.exists():
+        raise DataError(f"{path}: no vocab map (set train.vocab_map, or prepare the data with one)")
+    return VocabMap.load(path, vt=vocab_size)
+
+
+def offline_training_data(train: dict, run_dir: str | os.PathLike | None) -> TrainingData:
+    """The trainer's inputs from captured hidden states: `train.data` (else this run's 00_prepare_data) and
+    `train.vocab_map` (else that data folder's vocab map)."""
+    if train["data"]:
+        folder = resolve_path(train["data"])
+    elif run_dir is not None:
+        folder = prepared_dir(run_dir)
+    else:
+        raise DataError("train.data is empty and there is no run folder to take 00_prepare_data's data from")
+    # a SpecForge or speculators dump carries no target head and no aux ids: the recipe names them
+    head = resolve_path(train["target_head"]) if train["target_head"] else None
+    reader = open_reader(folder, head=head, aux_layer_ids=train["aux_layer_ids"] or None)
+    captured_from = (reader.manifest.get("target") or {}).get("name")
+    return TrainingData(
+        reader=reader,
+        vocab_map=training_vocab_map(train, folder, reader.vocab_size),
+        head=reader.head,
+        target_hidden_size=reader.hidden_size,
+        vocab_size=reader.vocab_size,
+        aux_layer_ids=list(reader.aux_layer_ids),
+        target=captured_from or str(folder),
+        verifier=captured_from,
+    )

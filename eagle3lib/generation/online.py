@@ -26,13 +26,14 @@ import torch
 from torch import Tensor
 
 from eagle3lib import files
-from eagle3lib.data.layout import TOKEN_COUNTS_FILE, VOCAB_MAP_FILE, DataError, training_vocab_map
+from eagle3lib.data.layout import TOKEN_COUNTS_FILE, VOCAB_MAP_FILE, DataError
 from eagle3lib.data.readers import (
     BatchReader,
     TrainingData,
     collate,
     reading_order,
     shard_sizes,
+    training_vocab_map,
     window,
     window_plans,
 )

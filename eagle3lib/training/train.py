@@ -45,8 +45,8 @@ import torch.distributed as dist
 import yaml
 
 from eagle3lib import files, runs
-from eagle3lib.data.layout import DataError, prepared_dir, training_vocab_map
-from eagle3lib.data.readers import TrainingData, open_reader
+from eagle3lib.data.layout import prepared_dir
+from eagle3lib.data.readers import TrainingData, offline_training_data
 from eagle3lib.drafter.checkpoint import load_drafter, save_drafter
 from eagle3lib.drafter.config import LAYOUT_READERS, DrafterConfig, read_config
 from eagle3lib.drafter.model import Eagle3Drafter
@@ -436,31 +436,6 @@ def arms_data(params: dict, out: Path, run_dir: Path | None, procs: Processes) -
     if params["train"]["data_mode"] == "online":
         return online_training_data(params, out, procs.device, procs.main, procs.barrier)
     return offline_training_data(params["train"], run_dir)
-
-
-def offline_training_data(train: dict, run_dir: str | os.PathLike | None) -> TrainingData:
-    """The trainer's inputs from captured hidden states: `train.data` (else this run's 00_prepare_data) and
-    `train.vocab_map` (else that data folder's vocab map)."""
-    if train["data"]:
-        folder = files.resolve_path(train["data"])
-    elif run_dir is not None:
-        folder = prepared_dir(run_dir)
-    else:
-        raise DataError("train.data is empty and there is no run folder to take 00_prepare_data's data from")
-    # a SpecForge or speculators dump carries no target head and no aux ids: the recipe names them
-    head = files.resolve_path(train["target_head"]) if train["target_head"] else None
-    reader = open_reader(folder, head=head, aux_layer_ids=train["aux_layer_ids"] or None)
-    captured_from = (reader.manifest.get("target") or {}).get("name")
-    return TrainingData(
-        reader=reader,
-        vocab_map=training_vocab_map(train, folder, reader.vocab_size),
-        head=reader.head,
-        target_hidden_size=reader.hidden_size,
-        vocab_size=reader.vocab_size,
-        aux_layer_ids=list(reader.aux_layer_ids),
-        target=captured_from or str(folder),
-        verifier=captured_from,
-    )
 
 
 def stand_in_key(params: dict, target_fingerprint: str) -> str:
