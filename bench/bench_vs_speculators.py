@@ -158,7 +158,7 @@ def speculators_side(trainer: Trainer, head: dict, batch: dict, pre_norm: torch.
 
 def eagle3lib_step(trainer: Trainer, batch: dict) -> float:
     """One optimizer step as Trainer.fit runs it; returns the gradient norm."""
-    _, grad_norm, _ = trainer._optimizer_step(batch)
+    _, grad_norm, *_ = trainer._optimizer_step(batch)
     trainer.optimizer.step()
     trainer.scheduler.step()
     trainer.optimizer.zero_grad(set_to_none=True)
@@ -170,7 +170,7 @@ def eagle3lib_step(trainer: Trainer, batch: dict) -> float:
 
 def check_same_gradients(trainer: Trainer, batch: dict, side: SpeculatorsSide) -> str:
     """One forward/backward of each (no optimizer step); the gradients must agree."""
-    _, ours_norm, _ = trainer._optimizer_step(batch)
+    _, ours_norm, *_ = trainer._optimizer_step(batch)
     side.optimizer.zero_grad()
     _, loss, _ = side.model(**side.inputs, ttt_steps=side.ttt_steps, ttt_step_loss_decay=1.0,
                             loss_config=side.loss_config)

@@ -162,7 +162,7 @@ def compare_paths(trainer: Trainer, batch: dict, checks: Checks) -> None:
     first = {}
     for name, kernel in (("fused", None), ("blocked", ttt_attention.BLOCKED_KERNEL)):
         with forced(kernel):
-            sums, grad_norm, _ = trainer._optimizer_step(batch)
+            sums, grad_norm, *_ = trainer._optimizer_step(batch)
         trainer.optimizer.zero_grad(set_to_none=True)
         first[name] = (sums[0].cpu(), grad_norm)  # row 0: each TTT step's cross-entropy sum
     (ce_fused, norm_fused), (ce_blocked, norm_blocked) = first["fused"], first["blocked"]

@@ -338,7 +338,13 @@ class TrainSection:
         decides_stand_in=True,
         at_least=1,
     )
-    seq_len: int = setting(512, "tokens per training window", decides_stand_in=True, at_least=2)
+    seq_len: int = setting(512, "tokens per training row", decides_stand_in=True, at_least=2)
+    packing: bool = setting(
+        True,
+        "fill each row of seq_len with whole samples, each attending and graded as if alone (false: one "
+        "sample a row, padded)",
+        decides_stand_in=True,
+    )
     lr: float = setting(3e-4, "peak learning rate", decides_stand_in=True)
     betas: list = setting([0.9, 0.95], "AdamW's betas", decides_stand_in=True)
     weight_decay: float = setting(0.0, "AdamW's weight decay", decides_stand_in=True)

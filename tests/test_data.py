@@ -119,7 +119,10 @@ def test_batches_pad_and_cut_long_samples_into_windows(folder):
         "last_hidden_state",
         "target_argmax",
         "attention_mask",
+        "position_ids",
     }
+    assert first["position_ids"][1].tolist() == list(range(10))
+    assert first["position_ids"][0, 7:].tolist() == [0, 1, 2]  # the padding counts from 0 on its own
     assert first["aux_hidden_states"].shape == (4, 10, A * H) and first["last_hidden_state"].shape == (
         4,
         10,

@@ -357,7 +357,7 @@ def test_prefix_and_diagonals_attention_is_exact_with_exact_gradients(steps):
 
     q, *kv = [t.requires_grad_() for t in ttt_attention_inputs(steps)]
     keys, values = kv[:steps], kv[steps:]
-    out = PrefixAndDiagonalsAttention.apply(q, keys[0], values[0], *keys[1:], *values[1:])
+    out = PrefixAndDiagonalsAttention.apply(q, keys[0], values[0], None, *keys[1:], *values[1:])
     reference = masked_reference_attention(q, keys[0], values[0], keys[1:], values[1:])
     torch.testing.assert_close(out, reference, atol=1e-12, rtol=0)
     grad_out = torch.randn_like(out)
@@ -366,7 +366,7 @@ def test_prefix_and_diagonals_attention_is_exact_with_exact_gradients(steps):
     for i, (grad, expected) in enumerate(zip(grads, reference_grads, strict=True)):
         torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0, msg=f"gradient of input {i}")
     assert torch.autograd.gradcheck(
-        lambda q, k0, v0, *rest: PrefixAndDiagonalsAttention.apply(q, k0, v0, *rest),
+        lambda q, k0, v0, *rest: PrefixAndDiagonalsAttention.apply(q, k0, v0, None, *rest),
         [q, keys[0], values[0], *keys[1:], *values[1:]],
     )
 
@@ -579,7 +579,9 @@ def test_cuda_kernel_code_with_stand_in_ops_is_exact(kernel_name, monkeypatch):
     q, *kv = [t.requires_grad_() for t in ttt_attention_inputs(steps, T=37)]  # lse padding: 37 -> 64 rows
     keys, values = kv[:steps], kv[steps:]
     with ttt_attention.forced_prefix_kernel(getattr(ttt_attention, kernel_name)):
-        out = ttt_attention.PrefixAndDiagonalsAttention.apply(q, keys[0], values[0], *keys[1:], *values[1:])
+        out = ttt_attention.PrefixAndDiagonalsAttention.apply(
+            q, keys[0], values[0], None, *keys[1:], *values[1:]
+        )
         grad_out = torch.randn_like(out)
         grads = torch.autograd.grad(out, [q, *kv], grad_out)
     op = "flash" if kernel_name == "CUDA_FLASH_KERNEL" else "efficient"
@@ -618,7 +620,7 @@ def test_fused_blocked_and_masked_attention_agree_on(device, dtype):
         q_, keys_, values_ = inputs[0], inputs[1 : 1 + steps], inputs[1 + steps :]
         with ttt_attention.forced_prefix_kernel(kernel):
             out = ttt_attention.PrefixAndDiagonalsAttention.apply(
-                q_, keys_[0], values_[0], *keys_[1:], *values_[1:]
+                q_, keys_[0], values_[0], None, *keys_[1:], *values_[1:]
             )
             grads = torch.autograd.grad(out, inputs, grad_out.to(device, dtype))
         for name, got, want in zip(names, [out, *grads], expected, strict=True):

@@ -11,6 +11,7 @@ from eagle3lib.drafter.checkpoint import load_drafter
 from eagle3lib.drafter.vocab import VocabMap
 from eagle3lib.generation import online
 from eagle3lib.generation.capture import prepare_for_run
+from eagle3lib.generation.online import OnlineReader
 from eagle3lib.params import load_params
 from eagle3lib.target.model import Target
 from eagle3lib.training import train
@@ -93,18 +94,18 @@ def test_resume_online_continues_exactly_without_recomputing_skipped_batches(tmp
                                                                              monkeypatch):
     params = recipe("online", checkpoint_every=3, keep_checkpoints=1)
     train_interrupted(params, tmp_path / "cut", monkeypatch, steps_done=4)  # checkpoint of step 3 on disk
-    calls = {"forwards": 0}
-    forward = Target.capture
+    calls = {"batches": 0}
+    forward = OnlineReader._forward
 
     def counted(self, *args, **kwargs):
-        calls["forwards"] += 1
+        calls["batches"] += 1
         return forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(Target, "capture", counted)
+    monkeypatch.setattr(OnlineReader, "_forward", counted)
     resumed = train.train_arms(params, tmp_path / "cut", resume=True)["scratch"]
     assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in online_run[1].metrics]
-    # the step-0 check's 2 batches, then steps 4-6: one forward per batch, none for steps 1-3
-    assert calls["forwards"] == 2 + STEPS - 3
+    # the step-0 check's 2 batches, then steps 4-6: the target computes each batch once, none for steps 1-3
+    assert calls["batches"] == 2 + STEPS - 3
 
 
 def test_two_processes_online_match_one(tmp_path, online_run):

@@ -11,7 +11,11 @@
 - `eagle3lib.generation.online.OnlineReader`: no stored states, the target computes them for each batch.
 `open_reader` picks the reader a folder's files call for. Every reader yields the same batches from the same
 samples: shards (or files) and the samples within them in a seeded order, each sample cut into windows of
-at most `seq_len` tokens (`window_plans`), right-padded (`collate`).
+at most `seq_len` tokens, laid into rows (`BatchPlanner`) and collated (`collate`):
+- packed (`packing=True`, training's default): each row of `seq_len` tokens holds whole windows, first fit
+  decreasing over a pool of a few rows' worth in reading order, so that nearly every computed position is a
+  real token; `position_ids` restart at 0 for each window, which is how the trainer keeps each to itself;
+- one window a row, right-padded to the batch's longest (`packing=False`).
 """
 
 from __future__ import annotations
@@ -74,13 +78,15 @@ class BatchReader(ABC):
     @abstractmethod
     def batches(
         self, batch_size: int, seq_len: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-        skip: int = 0, rows: slice | None = None,
+        skip: int = 0, rows: slice | None = None, packing: bool = False,
     ) -> Iterator[dict[str, Tensor]]:
         """Training batches: `input_ids`, `loss_mask`, `aux_hidden_states`, `last_hidden_state`,
-        `target_argmax` and `attention_mask` (bool), each [B, T, ...] with T ≤ seq_len, right-padded.
+        `target_argmax`, `attention_mask` (bool: a real token) and `position_ids` (restarting at 0 with each
+        window), each [B, T, ...] with T ≤ seq_len.
 
         A sample longer than seq_len is cut into consecutive windows of seq_len (nothing is dropped;
-        each window keeps the hidden states captured with the full context). `skip` passes over the first
+        each window keeps the hidden states captured with the full context). With `packing`, a row holds as
+        many whole windows as fit in seq_len (`BatchPlanner`); without, one. `skip` passes over the first
         batches (a resumed epoch); `rows` keeps those rows of each batch (one process's share).
         """
 
@@ -176,7 +182,7 @@ class StoredStatesReader(BatchReader):
 
     def batches(
         self, batch_size: int, seq_len: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-        skip: int = 0, rows: slice | None = None,
+        skip: int = 0, rows: slice | None = None, packing: bool = False,
     ) -> Iterator[dict[str, Tensor]]:
         held: dict[int, dict[str, Tensor]] = {}
 
@@ -185,10 +191,13 @@ class StoredStatesReader(BatchReader):
                 held[i] = sample
                 yield sample["input_ids"].shape[0], i
 
-        for n, plan in enumerate(window_plans(numbered(), batch_size, seq_len, drop_last)):
+        planner = BatchPlanner(batch_size, seq_len, drop_last, packing)
+        for n, plan in enumerate(planner.plans(numbered())):
             if n >= skip:
-                yield collate([window(held[key], start, seq_len) for key, start in plan[rows or slice(None)]])
-            for key in [key for key in held if key < plan[-1][0]]:  # only the last sample can go on
+                mine = plan[rows or slice(None)]
+                yield collate([[window(held[key], start, seq_len) for key, start in row] for row in mine],
+                              seq_len if packing else None)
+            for key in [key for key in held if key not in planner.pending]:
                 del held[key]
 
 
@@ -523,41 +532,95 @@ def shard_sizes(lengths: list[int], shard_tokens: int) -> list[int]:
     return sizes + [count] if count else sizes
 
 
-def window_plans(
-    samples: Iterator[tuple[int, int]], batch_size: int, seq_len: int, drop_last: bool = False
-) -> Iterator[list[tuple[int, int]]]:
-    """Batches as plans: lists of (sample key, start) windows of at most seq_len tokens, from (length,
-    key) pairs in reading order; a sample longer than seq_len gives consecutive windows."""
-    if batch_size < 1 or seq_len < 2:
-        raise DataError(f"batch_size must be ≥ 1 and seq_len ≥ 2, got {batch_size} and {seq_len}")
-    pending: list[tuple[int, int]] = []
-    for length, key in samples:
-        for start in range(0, length, seq_len):
-            pending.append((key, start))
-            if len(pending) == batch_size:
-                yield pending
-                pending = []
-    if pending and not drop_last:
-        yield pending
+class BatchPlanner:
+    """Batches as plans, from (length, key) pairs in reading order: rows, each a list of (sample key, start)
+    windows of at most seq_len tokens (a sample longer than seq_len gives consecutive windows).
+
+    Without `packing` a row is one window. With it, windows wait in a pool until it holds `pool_rows` rows'
+    worth of tokens, are laid first fit decreasing into rows of seq_len, and the rows go out in batches; the
+    pool's least filled quarter of rows stays behind for the next round, so rows come out nearly full.
+    Deterministic in the order and the lengths alone. While `plans` runs, `pending` holds the keys of the
+    samples a later batch still needs: a reader may forget the others."""
+
+    def __init__(self, batch_size: int, seq_len: int, drop_last: bool = False, packing: bool = False,
+                 pool_rows: int | None = None):
+        if batch_size < 1 or seq_len < 2:
+            raise DataError(f"batch_size must be ≥ 1 and seq_len ≥ 2, got {batch_size} and {seq_len}")
+        self.batch_size, self.seq_len, self.drop_last, self.packing = batch_size, seq_len, drop_last, packing
+        self.pool_rows = pool_rows or max(2 * batch_size, 8)
+        self.pending: set[int] = set()
+
+    def plans(self, samples: Iterator[tuple[int, int]]) -> Iterator[list[list[tuple[int, int]]]]:
+        ready: list[list[tuple[int, int, int]]] = []  # rows waiting to fill a batch
+        pool: list[tuple[int, int, int]] = []  # (length, key, start) windows not in a row yet
+        for length, key in samples:
+            self.pending.add(key)
+            starts = range(0, length, self.seq_len)
+            pool += [(min(self.seq_len, length - start), key, start) for start in starts]
+            if not self.packing:
+                ready, pool = ready + [[piece] for piece in pool], []
+            elif sum(piece[0] for piece in pool) >= self.pool_rows * self.seq_len:
+                rows = first_fit_decreasing(pool, self.seq_len)
+                keep = max(1, len(rows) // 4)
+                ready, pool = ready + rows[:-keep], [piece for row in rows[-keep:] for piece in row]
+            while len(ready) >= self.batch_size:
+                yield self._plan(ready[: self.batch_size], ready[self.batch_size :], pool)
+                ready = ready[self.batch_size :]
+        ready += first_fit_decreasing(pool, self.seq_len) if pool else []
+        while ready and (len(ready) >= self.batch_size or not self.drop_last):
+            yield self._plan(ready[: self.batch_size], ready[self.batch_size :], [])
+            ready = ready[self.batch_size :]
+
+    def _plan(self, rows, later_rows, pool) -> list[list[tuple[int, int]]]:
+        self.pending = {key for row in later_rows for _, key, _ in row} | {key for _, key, _ in pool}
+        return [[(key, start) for _, key, start in row] for row in rows]
+
+
+def first_fit_decreasing(pieces: list[tuple[int, int, int]], capacity: int) -> list[list[tuple]]:
+    """(length, key, start) pieces in rows of at most `capacity` tokens: longest first (ties in reading
+    order), each into the first row it fits, rows in the order they were opened; within a row, pieces in
+    reading order."""
+    order = sorted(range(len(pieces)), key=lambda i: -pieces[i][0])
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        length = pieces[i][0]
+        for r, room in enumerate(free):
+            if length <= room:
+                rows[r].append(i)
+                free[r] -= length
+                break
+        else:
+            rows.append([i])
+            free.append(capacity - length)
+    return [[pieces[i] for i in sorted(row)] for row in rows]
 
 
 def window(sample: dict[str, Tensor], start: int, seq_len: int) -> dict[str, Tensor]:
     return {key: value[start : start + seq_len] for key, value in sample.items()}
 
 
-def collate(samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Right-padded [B, T, ...] tensors and a bool `attention_mask`, on the samples' device."""
-    width = max(s["input_ids"].shape[0] for s in samples)
-    device = samples[0]["input_ids"].device
-    batch = {}
-    for key, first in samples[0].items():
-        out = torch.zeros((len(samples), width, *first.shape[1:]), dtype=first.dtype, device=device)
-        for row, sample in enumerate(samples):
-            out[row, : sample[key].shape[0]] = sample[key]
-        batch[key] = out
-    batch["attention_mask"] = torch.zeros((len(samples), width), dtype=torch.bool, device=device)
-    for row, sample in enumerate(samples):
-        batch["attention_mask"][row, : sample["input_ids"].shape[0]] = True
+def collate(rows: list[list[dict[str, Tensor]]], width: int | None = None) -> dict[str, Tensor]:
+    """[B, T, ...] tensors from rows of windows laid end to end, zero-padded to `width` (default: the
+    longest row), with a bool `attention_mask` (a real token) and `position_ids` that restart at 0 with
+    each window and with the padding, on the windows' device."""
+    lengths = [[piece["input_ids"].shape[0] for piece in row] for row in rows]
+    width = width or max(sum(row) for row in lengths)
+    first = rows[0][0]
+    device = first["input_ids"].device
+    batch = {key: torch.zeros((len(rows), width, *value.shape[1:]), dtype=value.dtype, device=device)
+             for key, value in first.items()}
+    batch["attention_mask"] = torch.zeros((len(rows), width), dtype=torch.bool, device=device)
+    batch["position_ids"] = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+    for r, (row, row_lengths) in enumerate(zip(rows, lengths, strict=True)):
+        start = 0
+        for piece, length in zip(row, row_lengths, strict=True):
+            for key, value in piece.items():
+                batch[key][r, start : start + length] = value
+            batch["position_ids"][r, start : start + length] = torch.arange(length, device=device)
+            start += length
+        batch["attention_mask"][r, :start] = True
+        batch["position_ids"][r, start:] = torch.arange(width - start, device=device)
     return batch
 
 

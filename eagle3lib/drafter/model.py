@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3lib.drafter.config import DrafterConfig
-from eagle3lib.drafter.ttt_attention import TTTCache
+from eagle3lib.drafter.ttt_attention import Segments, TTTCache
 
 
 class Eagle3Drafter(nn.Module):
@@ -180,17 +180,20 @@ class Eagle3Drafter(nn.Module):
         aux_hidden_states: torch.Tensor,
         steps: int,
         position_ids: torch.Tensor | None = None,
+        segments: Segments | None = None,
     ) -> Iterator[torch.Tensor]:
         """Yield the state [B, T, H] each TTT step 0..steps-1 feeds forward (see `layer`), teacher-forced.
 
         Step k embeds the ground truth shifted by k more (0 past the end), at positions advanced by k, with
         the previous step's pre-norm output as the hidden state. One step at a time, and without logits: a
         trainer applies `compute_logits` to the rows it grades (at step k, the last k rows have no target)
-        and takes each step's loss without holding every step's logits.
+        and takes each step's loss without holding every step's logits. A packed row's documents are kept
+        apart by `segments` (their rows) and `position_ids` (restarting with each); rows whose shifted token
+        has left their document compute garbage that no other row reads, and no loss may grade.
         """
         if position_ids is None:
             position_ids = self.default_position_ids(input_ids)
-        cache = TTTCache()
+        cache = TTTCache(segments)
         hidden = aux_hidden_states
         for k in range(steps):
             tokens = F.pad(input_ids[:, k:], (0, min(k, input_ids.shape[1])), value=0)

@@ -7,6 +7,10 @@ plus row j of every step 1..n. `PrefixAndDiagonalsAttention` computes that exact
 n diagonal scores merge into it. The prefix kernel is chosen per device (`prefix_attention_kernel`): CPU
 flash, CUDA flash or memory-efficient, else the blocked plain-torch reference (`BLOCKED_KERNEL`), which the
 fused ones are tested against. `TTTCache` is the cache the drafter's attention uses during an unroll.
+
+A packed row holds several documents (`Segments`: runs of rows): the step-0 prefix then attends within each
+document alone, one causal attention per run, so that no block across documents is ever computed; the
+diagonals stay within a row, hence within its document.
 """
 
 from __future__ import annotations
@@ -18,16 +22,45 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# Per batch row, the (start, end) runs of rows that form one document each, covering the row.
+Segments = tuple[tuple[tuple[int, int], ...], ...]
+
+
+def segments_of(documents: torch.Tensor) -> Segments | None:
+    """The runs of equal document numbers in each row of `documents` [B, R]; None when every row is one run
+    (nothing to keep apart)."""
+    runs = []
+    for row in documents.tolist():
+        starts = [0] + [i for i in range(1, len(row)) if row[i] != row[i - 1]]
+        runs.append(tuple(zip(starts, [*starts[1:], len(row)], strict=True)))
+    return None if all(len(row) == 1 for row in runs) else tuple(runs)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments | None
+) -> torch.Tensor:
+    """Causal attention (SDPA, grouped query) of each segment alone; of each whole row without segments."""
+    if segments is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return torch.cat([
+        torch.cat([F.scaled_dot_product_attention(q[b : b + 1, :, s:e], k[b : b + 1, :, s:e],
+                                                  v[b : b + 1, :, s:e], is_causal=True, enable_gqa=True)
+                   for s, e in row], dim=2)
+        for b, row in enumerate(segments)
+    ])
+
 
 class TTTCache:
     """Keys and values of a train-time-test unroll (teacher-forced, as speculators and SpecForge train).
 
     Step 0 attends causally over its own rows. At step n >= 1, row j sees the step-0 rows 0..j plus row j of
     every step 1..n (one diagonal per step): `PrefixAndDiagonalsAttention`, which never forms the
-    [T, (n+1)T] mask nor [T, T] scores.
+    [T, (n+1)T] mask nor [T, T] scores. With `segments` (a packed batch) the step-0 rows a row sees are
+    those of its own document only.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, segments: Segments | None = None) -> None:
+        self.segments = segments
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
@@ -42,9 +75,9 @@ class TTTCache:
         self.keys.append(k)
         self.values.append(v)
         if len(self.keys) == 1:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return causal_attention(q, k, v, self.segments)
         return PrefixAndDiagonalsAttention.apply(
-            q, self.keys[0], self.values[0], *self.keys[1:], *self.values[1:]
+            q, self.keys[0], self.values[0], self.segments, *self.keys[1:], *self.values[1:]
         )
 
 
@@ -65,11 +98,12 @@ class PrefixAndDiagonalsAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, prefix_keys, prefix_values, *diagonals):
+    def forward(ctx, q, prefix_keys, prefix_values, segments, *diagonals):
         keys, values = diagonals[: len(diagonals) // 2], diagonals[len(diagonals) // 2 :]
         wide = accumulation_dtype(q)
+        ctx.segments = segments
         with torch.autocast(q.device.type, enabled=False):
-            prefix_out, prefix_lse = causal_attention_with_lse(q, prefix_keys, prefix_values)
+            prefix_out, prefix_lse = causal_attention_with_lse(q, prefix_keys, prefix_values, segments)
             groups = (prefix_keys.shape[1], -1)
             rows = q.unflatten(1, groups).to(wide)  # [B, Hkv, G, T, D]
             scores = diagonal_scores(rows, keys)  # [n, B, Hkv, G, T]
@@ -88,7 +122,7 @@ class PrefixAndDiagonalsAttention(torch.autograd.Function):
         wide = accumulation_dtype(q)
         with torch.autocast(q.device.type, enabled=False):
             grad_q, grad_prefix_keys, grad_prefix_values = causal_attention_backward(
-                grad_out.contiguous(), q, prefix_keys, prefix_values, out, lse
+                grad_out.contiguous(), q, prefix_keys, prefix_values, out, lse, ctx.segments
             )
             groups = (prefix_keys.shape[1], -1)
             scale = q.shape[-1] ** -0.5
@@ -103,7 +137,7 @@ class PrefixAndDiagonalsAttention(torch.autograd.Function):
                 grad_rows_q = grad_rows_q + grad_score[..., None] * key[:, :, None].to(wide)
                 grad_keys.append((grad_score[..., None] * rows).sum(2).to(key.dtype))
         grad_q = grad_rows_q.flatten(1, 2).to(q.dtype)
-        return grad_q, grad_prefix_keys, grad_prefix_values, *grad_keys, *grad_values
+        return grad_q, grad_prefix_keys, grad_prefix_values, None, *grad_keys, *grad_values
 
 
 def accumulation_dtype(x: torch.Tensor) -> torch.dtype:
@@ -285,11 +319,21 @@ def prefix_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
 
 
 def causal_attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of q [B, Hq, T, D] over k, v [B, Hkv, T, D] (grouped query) and its log-sum-exp
-    [B, Hq, T] in float32, which is what lets more keys be merged in afterwards exactly."""
-    return prefix_attention_kernel(q, k, v).forward(q, k, v)
+    [B, Hq, T] in float32, which is what lets more keys be merged in afterwards exactly. With `segments`,
+    each segment of a row attends within itself alone (one kernel call each)."""
+    kernel = prefix_attention_kernel(q, k, v)
+    if segments is None:
+        return kernel.forward(q, k, v)
+    out, lse = torch.empty_like(q), None
+    for b, s, e in _pieces(segments):
+        piece_out, piece_lse = kernel.forward(*(x[b : b + 1, :, s:e] for x in (q, k, v)))
+        if lse is None:
+            lse = q.new_empty(q.shape[:3], dtype=piece_lse.dtype)
+        out[b : b + 1, :, s:e], lse[b : b + 1, :, s:e] = piece_out, piece_lse
+    return out, lse
 
 
 def causal_attention_backward(
@@ -299,11 +343,24 @@ def causal_attention_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    segments: Segments | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (q, k, v) of causal attention, given the output and log-sum-exp of the softmax it is part of:
     with a merged output and log-sum-exp, these are the prefix's share of the merged attention's gradients.
     Any kernel's backward pairs with any kernel's forward: all of them mean the same log-sum-exp."""
-    return prefix_attention_kernel(q, k, v).backward(grad_out, q, k, v, out, lse)
+    kernel = prefix_attention_kernel(q, k, v)
+    if segments is None:
+        return kernel.backward(grad_out, q, k, v, out, lse)
+    grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for b, s, e in _pieces(segments):
+        pieces = (x[b : b + 1, :, s:e].contiguous() for x in (grad_out, q, k, v, out, lse))
+        for grad, piece in zip(grads, kernel.backward(*pieces), strict=True):
+            grad[b : b + 1, :, s:e] = piece
+    return grads
+
+
+def _pieces(segments: Segments) -> Iterator[tuple[int, int, int]]:
+    return ((b, s, e) for b, row in enumerate(segments) for s, e in row)
 
 
 class BlockedCausalAttention:

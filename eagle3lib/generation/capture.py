@@ -240,7 +240,7 @@ def capture_to_folder(
             for start in range(0, len(pool), batch_size):
                 batch = pool[start : start + batch_size]
                 # right padding: a causal model's real positions never see what fills the rest
-                padded = collate([{"input_ids": s.input_ids} for s in batch])
+                padded = collate([[{"input_ids": s.input_ids}] for s in batch])
                 captured = target.capture(padded["input_ids"], padded["attention_mask"], ids)
                 for row, sample in enumerate(batch):
                     n = len(sample.input_ids)

@@ -28,6 +28,7 @@ from torch import Tensor
 from eagle3lib import files
 from eagle3lib.data.layout import TOKEN_COUNTS_FILE, VOCAB_MAP_FILE, DataError
 from eagle3lib.data.readers import (
+    BatchPlanner,
     BatchReader,
     TrainingData,
     collate,
@@ -35,7 +36,6 @@ from eagle3lib.data.readers import (
     shard_sizes,
     training_vocab_map,
     window,
-    window_plans,
 )
 from eagle3lib.drafter.vocab import VocabMap
 from eagle3lib.generation.capture import REGENERATED_DIR, capture_pools, parse_dtype, training_text
@@ -129,39 +129,58 @@ class OnlineReader(BatchReader):
 
     def batches(
         self, batch_size: int, seq_len: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-        skip: int = 0, rows: slice | None = None,
+        skip: int = 0, rows: slice | None = None, packing: bool = False,
     ) -> Iterator[dict[str, Tensor]]:
         """Skipped batches and other processes' rows cost no target forward."""
         first = [0, *torch.tensor(self.shards).cumsum(0).tolist()]
         order = ((self.lengths[first[s] + i], first[s] + i)
                  for s, indices in reading_order(self.shards, shuffle, seed) for i in indices)
-        for n, plan in enumerate(window_plans(order, batch_size, seq_len, drop_last)):
+        for n, plan in enumerate(BatchPlanner(batch_size, seq_len, drop_last, packing).plans(order)):
             if n < skip:
                 continue
-            plan = plan[rows or slice(None)]
+            mine = plan[rows or slice(None)]
             # a sample cut into windows across two batches is computed twice: cheaper than holding it
-            keys = list(dict.fromkeys(key for key, _ in plan))
-            computed = dict(zip(keys, self._forward(keys), strict=True))
-            yield collate([window(computed[key], start, seq_len) for key, start in plan])
+            keys = list(dict.fromkeys(key for row in mine for key, _ in row))
+            computed = self._forward(keys)
+            yield collate([[window(computed[key], start, seq_len) for key, start in row] for row in mine],
+                          seq_len if packing else None)
 
     @torch.no_grad()
-    def _forward(self, keys: list[int]) -> list[dict[str, Tensor]]:
-        """The samples as a capture stores them: one right-padded target forward, states in data.dtype."""
-        padded = collate([{"input_ids": self.texts[key][0]} for key in keys])
-        captured = self.target.capture(padded["input_ids"], padded["attention_mask"], self.aux_layer_ids)
-        device = captured.last_hidden_state.device
-        samples = []
-        for row, key in enumerate(keys):
-            n = self.lengths[key]
-            input_ids, loss_mask = self.texts[key]
-            samples.append({
-                "input_ids": input_ids.to(device),
-                "loss_mask": loss_mask.to(device),
-                "target_argmax": captured.target_argmax[row, :n],
-                "aux_hidden_states": captured.aux_hidden_states[row, :n].to(self.dtype),
-                "last_hidden_state": captured.last_hidden_state[row, :n].to(self.dtype),
-            })
+    def _forward(self, keys: list[int]) -> dict[int, dict[str, Tensor]]:
+        """The samples as a capture stores them, states in data.dtype: each sample computed alone, as a
+        right-padded row of target forwards that group samples of similar length (a packed batch holds
+        samples of every length: padding them all to the longest would waste most of the target's work)."""
+        by_length = sorted(keys, key=lambda key: self.lengths[key])
+        samples = {}
+        for group in length_groups([self.lengths[key] for key in by_length]):
+            chosen = [by_length[i] for i in group]
+            padded = collate([[{"input_ids": self.texts[key][0]}] for key in chosen])
+            captured = self.target.capture(padded["input_ids"], padded["attention_mask"], self.aux_layer_ids)
+            device = captured.last_hidden_state.device
+            for row, key in enumerate(chosen):
+                n = self.lengths[key]
+                input_ids, loss_mask = self.texts[key]
+                samples[key] = {
+                    "input_ids": input_ids.to(device),
+                    "loss_mask": loss_mask.to(device),
+                    "target_argmax": captured.target_argmax[row, :n],
+                    "aux_hidden_states": captured.aux_hidden_states[row, :n].to(self.dtype),
+                    "last_hidden_state": captured.last_hidden_state[row, :n].to(self.dtype),
+                }
         return samples
+
+
+def length_groups(lengths: list[int], slack: float = 1.25) -> Iterator[list[int]]:
+    """Indices of ascending `lengths` in consecutive groups, each as small a padded forward as can be: a
+    group closes before padding its samples to its longest would cost more than `slack` x their tokens."""
+    group: list[int] = []
+    for i, length in enumerate(lengths):
+        if group and (len(group) + 1) * length > slack * (sum(lengths[j] for j in group) + length):
+            yield group
+            group = []
+        group.append(i)
+    if group:
+        yield group
 
 
 def ensure_text(params: dict, out: Path, target: Target) -> dict:

@@ -5,7 +5,9 @@ target's states at each. The drafter gets R = T - 1 rows: row t pairs the aux st
 with token x_{t+1}. At TTT step k (k = 0..K-1) row t predicts token x_{t+2+k}; the target's
 distribution for that token is the verifier's at position p = t+1+k, restricted to the draft vocab
 and renormalised. Row t counts at step k when x_{p+1} is in the loss (`loss_mask` and
-`attention_mask` at p+1); rows whose token lies past the end never count. The cross-entropy also
+`attention_mask` at p+1); rows whose token lies past the end never count, nor, in a packed row of several
+documents, rows whose token lies in another document than the row's own (the TTT gate: a document is
+graded as it would be alone). The cross-entropy also
 drops rows whose target argmax (over the full Vt) is outside the draft vocab: the drafter cannot
 propose that token, so there is nothing to learn. Accuracy keeps them, as wrong, because serving
 rejects them too.
@@ -47,6 +49,7 @@ class Targets:
     argmax: Tensor  # [B, T] int64: the verifier's argmax over the full Vt (target ids)
     in_draft: Tensor  # [B, T] bool: that argmax is a draft-vocab token
     counted: Tensor  # [B, T] bool: the token after position p is in the loss; False at p = T-1
+    documents: Tensor | None = None  # [B, T] int64: which document of a packed row position p is in
 
     @classmethod
     def from_batch(cls, batch: dict, draft_head: Tensor, t2d: Tensor) -> Targets:
@@ -70,12 +73,32 @@ def position_masks(batch: dict, t2d: Tensor) -> dict[str, Tensor]:
         in_loss = in_loss & batch["attention_mask"].bool()
     counted = torch.zeros_like(in_loss)
     counted[:, :-1] = in_loss[:, 1:]
-    return {"in_draft": t2d[argmax], "counted": counted}
+    return {"in_draft": t2d[argmax], "counted": counted, "documents": documents(batch)}
 
 
-def ce_row_counts(in_draft: Tensor, counted: Tensor, steps: int) -> Tensor:
+def documents(batch: dict) -> Tensor | None:
+    """[B, T] document numbers of a packed batch (`position_ids` restart at 0 with each document, and with
+    the padding after the last), None for rows of one sample each."""
+    if "position_ids" not in batch:
+        return None
+    return (batch["position_ids"] == 0).cumsum(1)
+
+
+def step_counted(counted: Tensor, documents: Tensor | None, k: int) -> Tensor:
+    """[B, R-k]: does row t count at TTT step k: the token after position t+1+k is in the loss, and it lies
+    in row t's own document (the gate of packed rows; row t's document is position t's)."""
+    counted = counted[:, 1 + k :]
+    if documents is None:
+        return counted
+    same = torch.zeros_like(counted)
+    same[:, :-1] = documents[:, : same.shape[1] - 1] == documents[:, 2 + k :]
+    return counted & same
+
+
+def ce_row_counts(in_draft: Tensor, counted: Tensor, steps: int, documents: Tensor | None = None) -> Tensor:
     """[K]: rows in the cross-entropy at each TTT step (counted, target argmax in the draft vocab)."""
-    return torch.stack([(counted[:, 1 + k :] & in_draft[:, 1 + k :]).sum() for k in range(steps)])
+    return torch.stack([(step_counted(counted, documents, k) & in_draft[:, 1 + k :]).sum()
+                        for k in range(steps)])
 
 
 @dataclass
@@ -115,7 +138,7 @@ def ttt_sums(step_logits: Iterable[Tensor], targets: Targets, draft_ids: Tensor)
         # no slice when only graded rows came: a slice's backward would zero-fill a full-size gradient
         logits = logits[:, :graded].float() if logits.shape[1] != graded else logits.float()
         probs = targets.probs[:, 1 + k :]
-        counted = targets.counted[:, 1 + k :]
+        counted = step_counted(targets.counted, targets.documents, k)
         in_ce = counted & targets.in_draft[:, 1 + k :]
         row_ce = -(probs * F.log_softmax(logits, dim=-1)).sum(-1)
         ce.append((row_ce * in_ce).sum())

@@ -29,12 +29,14 @@ from eagle3lib.data.readers import TrainingData
 from eagle3lib.devices import fast_bf16, resolve_device
 from eagle3lib.drafter.checkpoint import load_drafter, save_drafter
 from eagle3lib.drafter.model import Eagle3Drafter
+from eagle3lib.drafter.ttt_attention import Segments, segments_of
 from eagle3lib.params import RESUME_FREE
 from eagle3lib.progress import progress as progress_bar
 from eagle3lib.training.loss import (
     StepSums,
     Targets,
     ce_row_counts,
+    documents,
     drafter_rows,
     position_masks,
     step_weights,
@@ -111,8 +113,9 @@ class BatchStream:
     last batch of an epoch is left out.
     """
 
-    def __init__(self, reader, batch_size: int, seq_len: int, seed: int, procs: Processes):
+    def __init__(self, reader, batch_size: int, seq_len: int, seed: int, procs: Processes, packing: bool):
         self.reader, self.batch_size, self.seq_len, self.seed = reader, batch_size, seq_len, seed
+        self.packing = packing
         share = batch_size // procs.world_size
         self.rows = slice(procs.rank * share, (procs.rank + 1) * share)
         self.epoch, self.index = 0, 0
@@ -127,7 +130,7 @@ class BatchStream:
 
     def _open_epoch(self) -> Iterator[dict]:
         return self.reader.batches(self.batch_size, self.seq_len, shuffle=True, seed=self.seed + self.epoch,
-                                   drop_last=True, skip=self.index, rows=self.rows)
+                                   drop_last=True, skip=self.index, rows=self.rows, packing=self.packing)
 
     def next(self) -> dict:
         """This process's rows of the next global batch."""
@@ -141,8 +144,8 @@ class BatchStream:
                 break
             self.epoch, self.index, self._batches = self.epoch + 1, 0, None
         raise TrainingError(
-            f"the data holds fewer than batch_size={self.batch_size} sequences of up to seq_len="
-            f"{self.seq_len} tokens; lower train.batch_size or prepare more data"
+            f"the data holds fewer than batch_size={self.batch_size} rows of up to seq_len={self.seq_len} "
+            f"tokens{' (packed)' if self.packing else ''}; lower train.batch_size or prepare more data"
         )
 
 
@@ -163,14 +166,24 @@ class TTTObjective(nn.Module):
         self.drafter, self.steps = drafter, steps
         self.register_buffer("draft_ids", draft_ids, persistent=False)
 
-    def forward(self, batch: dict, targets: Targets) -> StepSums:
+    def forward(self, batch: dict, targets: Targets, segments: Segments | None = None) -> StepSums:
+        """`segments`: the documents of packed rows, as runs of the drafter's rows (`row_segments`)."""
         input_ids, aux = drafter_rows(batch["input_ids"], batch["aux_hidden_states"])
         rows = input_ids.shape[1]
+        # row t embeds token t+1: its position in its document (1..R for a row of one sample)
+        positions = batch["position_ids"][:, 1:] if "position_ids" in batch else None
+        unrolled = self.drafter.unroll_steps(input_ids, aux, self.steps, positions, segments)
         step_logits = (  # row t of step k has a target only for t < rows - k
-            self.drafter.compute_logits(layer_out[:, : rows - k])
-            for k, layer_out in enumerate(self.drafter.unroll_steps(input_ids, aux, self.steps))
+            self.drafter.compute_logits(layer_out[:, : rows - k]) for k, layer_out in enumerate(unrolled)
         )
         return ttt_sums(step_logits, targets, self.draft_ids)
+
+
+def row_segments(batch: dict) -> Segments | None:
+    """The documents of a batch's packed rows as runs of the drafter's rows (row t is position t's), read
+    on the host before the batch moves to its device; None when each row holds one sample."""
+    found = documents(batch)
+    return None if found is None else segments_of(found[:, :-1])
 
 
 def micro_batches_per_rank(train: dict, world_size: int) -> int:
@@ -245,12 +258,13 @@ class Trainer:
             self.optimizer,
             lambda step: lr_factor(step, train["warmup_steps"], train["steps"], train["min_lr_ratio"]),
         )
-        self.stream = BatchStream(data.reader, train["batch_size"], train["seq_len"], seed, procs)
+        self.stream = BatchStream(data.reader, train["batch_size"], train["seq_len"], seed, procs,
+                                  train["packing"])
         self.step = 0
         # the sums and tokens of the steps since the last metrics.jsonl entry: checkpointed, so that a resumed
         # run logs what an uninterrupted one logs
         self.window = torch.zeros(5, train["ttt_steps"], dtype=torch.float64)
-        self.window_tokens = 0
+        self.window_tokens = self.window_positions = 0
         self.autocast_dtype = autocast_dtype(train["dtype"], device)
 
     def to_device(self, batch: dict) -> dict:
@@ -273,10 +287,10 @@ class Trainer:
         sums = torch.zeros(5, self.train["ttt_steps"], dtype=torch.float64)
         counts = torch.zeros(self.data.vocab_size, dtype=torch.float64)
         for batch in batches:
-            batch = self.to_device(batch)
+            segments, batch = row_segments(batch), self.to_device(batch)
             targets = self._targets(batch)
             with self.autocast():
-                sums += self.objective(batch, targets).detached().cpu()
+                sums += self.objective(batch, targets, segments).detached().cpu()
             counted = targets.argmax[:, 1:][targets.counted[:, 1:]].cpu()
             counts += torch.bincount(counted, minlength=self.data.vocab_size).double()
         baseline = float(counts.max() / counts.sum().clamp(min=1))
@@ -286,7 +300,8 @@ class Trainer:
     def check_batches(self) -> list[dict]:
         """The first `check_batches` batches of the data, unshuffled: the same for every arm and rank."""
         t = self.train
-        batches = self.data.reader.batches(t["micro_batch_size"], t["seq_len"], shuffle=False, seed=0)
+        batches = self.data.reader.batches(t["micro_batch_size"], t["seq_len"], shuffle=False, seed=0,
+                                           packing=t["packing"])
         return [batch for _, batch in zip(range(t["check_batches"]), batches, strict=False)]
 
     # ------------------------------------------------------------------ one optimizer step
@@ -294,22 +309,25 @@ class Trainer:
     def _optimizer_step(self, mine: dict) -> tuple[torch.Tensor, float, int]:
         """Forward/backward over this rank's micro-batches of one global batch, then one AdamW step.
 
-        Returns the step's sums [5, K] (all ranks), the gradient norm, and the tokens seen by all ranks.
+        Returns the step's sums [5, K] (all ranks), the gradient norm, and the real tokens and the positions
+        computed by all ranks.
         """
         procs, n_micro = self.procs, self.micro_batches
-        micro = [self.to_device(split_batch(mine, n_micro, i)) for i in range(n_micro)]
+        parts = [split_batch(mine, n_micro, i) for i in range(n_micro)]
+        segments = [row_segments(part) for part in parts]
+        micro = [self.to_device(part) for part in parts]
         masks = [position_masks(m, self.t2d) for m in micro]
         # the loss is a mean over the global batch's rows: count them before any backward
         steps = self.train["ttt_steps"]
-        ce_rows = sum(ce_row_counts(m["in_draft"], m["counted"], steps) for m in masks)
+        ce_rows = sum(ce_row_counts(m["in_draft"], m["counted"], steps, m["documents"]) for m in masks)
         ce_rows = procs.all_reduce(ce_rows.double())
         sums = torch.zeros(5, self.train["ttt_steps"], dtype=torch.float64, device=procs.device)
-        for i, m in enumerate(micro):
+        for i, (m, rows) in enumerate(zip(micro, segments, strict=True)):
             sync = i == n_micro - 1 or procs.world_size == 1
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 targets = self._targets(m)
                 with self.autocast():
-                    step_sums = self.model(m, targets)
+                    step_sums = self.model(m, targets, rows)
                 # DDP averages gradients over ranks; the global mean needs their sum
                 loss = weighted_loss(step_sums.ce, ce_rows, self.weights) * procs.world_size
                 loss.backward()
@@ -317,8 +335,10 @@ class Trainer:
         procs.all_reduce(sums)
         max_norm = self.train["max_grad_norm"] or float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm))
-        tokens = procs.all_reduce(sum(m["attention_mask"].sum() for m in micro).double())
-        return sums, grad_norm, int(tokens)
+        counts = torch.stack([sum(m["attention_mask"].sum() for m in micro),
+                              torch.tensor(sum(m["attention_mask"].numel() for m in micro))]).double()
+        tokens, positions = procs.all_reduce(counts.to(procs.device)).tolist()
+        return sums, grad_norm, int(tokens), int(positions)
 
     # ------------------------------------------------------------------ the loop
 
@@ -333,7 +353,7 @@ class Trainer:
         while self.step < t["steps"]:
             data_state = dict(self.stream.state)
             batch = self.stream.next()
-            sums, grad_norm, tokens = self._optimizer_step(batch)
+            sums, grad_norm, tokens, positions = self._optimizer_step(batch)
             if not (math.isfinite(float(sums[0].sum())) and math.isfinite(grad_norm)):
                 self.optimizer.zero_grad(set_to_none=True)
                 path = self.save_checkpoint(data_state)
@@ -349,13 +369,15 @@ class Trainer:
             self.step += 1
             self.window += sums.cpu()
             self.window_tokens += tokens
+            self.window_positions += positions
             if self.step % t["log_every"] == 0 or self.step == t["steps"]:
                 elapsed = time.perf_counter() - window_start
                 last = {
                     "step": self.step,
                     "lr": self.scheduler.get_last_lr()[0],
                     "grad_norm": grad_norm,
-                    "tokens_per_s": self.window_tokens / elapsed,
+                    "tokens_per_s": self.window_tokens / elapsed,  # real tokens, padding not counted
+                    "real_fraction": self.window_tokens / max(self.window_positions, 1),
                     **summarize(self.window, self.weights),
                 }
                 if procs.main:
@@ -363,7 +385,7 @@ class Trainer:
                 progress.set_postfix(loss=f"{last['loss']:.3f}", acc_0=f"{100 * last['acc_0']:.1f} %",
                                      tau=f"{last['tau']:.2f}")
                 self.window.zero_()
-                self.window_tokens, window_start = 0, time.perf_counter()
+                self.window_tokens, self.window_positions, window_start = 0, 0, time.perf_counter()
             progress.update(1)
             if t["checkpoint_every"] and self.step % t["checkpoint_every"] == 0 and self.step < t["steps"]:
                 self.save_checkpoint(self.stream.state)
@@ -392,6 +414,7 @@ class Trainer:
                         "rng": _rng_state(),
                         "window": self.window.clone(),
                         "window_tokens": self.window_tokens,
+                        "window_positions": self.window_positions,
                         "train": self.train,
                         "seed": self.seed,
                         "world_size": self.procs.world_size,
@@ -437,6 +460,7 @@ class Trainer:
         self.stream.restore(state["data"])
         _set_rng_state(state["rng"])
         self.window, self.window_tokens = state["window"], state["window_tokens"]
+        self.window_positions = state["window_positions"]
         self.step = state["step"]
         if self.procs.main and metrics_path.exists():  # drop entries logged after that checkpoint
             whole, _, torn = metrics_path.read_text().rpartition("\n")
