@@ -4,11 +4,12 @@
     .venv/bin/python bench/bench_packing.py --memory-steps 300 [--memory-packing true]
 
 Speed: SmolLM2-135M-Instruct as the target, a drafter of the chat drafter's size (H 576, Vd 8,192), seq_len
-2,048, 4 TTT steps, the recipe's dtype (`auto`), the conversations of datasets/sharegpt-smollm2/ rendered as
-00 renders them. Two trainers share the data, one packing its rows and one padding one conversation a row to
-the batch's longest, and take turns step by step in one process, so that both see the same machine. Prints,
-per mode and batch size, the real (non-padding) tokens per second of each, the share of computed positions
-that are real, and the ratio.
+2,048, 4 TTT steps, one row a forward (micro-batches of 1: on a CPU a larger forward is slower per position,
+its [rows, T, Vd] logits out of every cache), the recipe's dtype (`auto`), the conversations of
+datasets/sharegpt-smollm2/ rendered as 00 renders them. Two trainers share the data, one packing its rows and
+one padding one conversation a row to the batch's longest, and take turns step by step in one process, so that
+both see the same machine. Prints, per mode and batch size, the real (non-padding) tokens per second of each,
+the share of computed positions that are real, and the ratio.
 
 Memory: one online run of `--memory-steps` steps (batch 4, seq_len 1,024) printing the resident set every
 50 steps and its growth after step 50.
@@ -30,7 +31,7 @@ from eagle3lib.generation.capture import prepare_for_run
 from eagle3lib.generation.online import online_training_data
 from eagle3lib.params import load_params
 from eagle3lib.target.model import Target
-from eagle3lib.training import train
+from eagle3lib.training import arms
 from eagle3lib.training.trainer import Processes, Trainer
 
 DATA = "datasets/sharegpt-smollm2"
@@ -38,20 +39,20 @@ CHAT_DRAFTER = {"num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 
                 "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192}
 
 
-def recipe(mode: str, batch_size: int, seq_len: int, packing: bool, num_tokens: int) -> dict:
+def recipe(mode: str, batch_size: int, seq_len: int, packing: bool, num_tokens: int, micro: int = 1) -> dict:
     return load_params(None, {
         "run": {"device": "cpu"},
         "target": {"spec": "zoo:smollm2-135m-instruct"},
         "data": {"corpus": DATA, "text": "conversation", "num_tokens": num_tokens, "seq_len": seq_len,
                  "batch_size": 8, "dtype": "bfloat16", "draft_vocab_size": 8192},
-        "train": {"data_mode": mode, "steps": 10**6, "batch_size": batch_size, "micro_batch_size": batch_size,
+        "train": {"data_mode": mode, "steps": 10**6, "batch_size": batch_size, "micro_batch_size": micro,
                   "seq_len": seq_len, "ttt_steps": 4, "checkpoint_every": 0, "check_batches": 1,
                   "packing": packing, "lr": 1e-3, "warmup_steps": 10, "scratch": CHAT_DRAFTER},
     })
 
 
 def make_trainer(params: dict, data, out: Path) -> Trainer:
-    drafter, _ = train.init_drafter("scratch", params["train"], data, params["run"]["seed"])
+    drafter, _ = arms.init_drafter("scratch", params["train"], data, params["run"]["seed"])
     seed = params["run"]["seed"]
     return Trainer(drafter, data, params["train"], seed, out, Processes(), log=lambda *_: None)
 

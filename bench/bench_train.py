@@ -24,7 +24,7 @@ import torch
 from eagle3lib.data.readers import TrainingData
 from eagle3lib.drafter.vocab import VocabMap
 from eagle3lib.params import load_params
-from eagle3lib.training import train
+from eagle3lib.training import arms
 from eagle3lib.training.loss import Targets, drafter_rows, ttt_sums
 from eagle3lib.training.trainer import Processes, Trainer
 
@@ -110,7 +110,7 @@ def main() -> None:
                   "dtype": args.dtype, "checkpoint_every": 0, "warmup_steps": 1, "scratch": SIZES},
     })
     procs = Processes.start(args.device)
-    drafter, _ = train.init_drafter("scratch", params["train"], data, seed=0)
+    drafter, _ = arms.init_drafter("scratch", params["train"], data, seed=0)
     parameters = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     print(f"drafter: {parameters / 1e6:.1f} M trainable parameters; batch {args.batch_size} x T "
           f"{args.seq_len}, {args.ttt_steps} TTT steps, {args.dtype} on {procs.device}, "
@@ -120,7 +120,7 @@ def main() -> None:
     print(f"training: {logged[-1]['tokens_per_s']:.0f} tokens/s over {args.steps} optimizer steps "
           f"({args.batch_size * args.seq_len} tokens each); peak memory {peak_memory(procs.device)}")
     if args.compile:
-        fresh, _ = train.init_drafter("scratch", params["train"], data, seed=0)
+        fresh, _ = arms.init_drafter("scratch", params["train"], data, seed=0)
         start = time.perf_counter()
         _, compiled = fit(fresh, data, params, procs, compiled=True)
         gap = max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(logged, compiled, strict=True))

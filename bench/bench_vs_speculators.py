@@ -48,7 +48,7 @@ from eagle3lib.drafter.checkpoint import SGLANG_PREFIX, SPECULATORS_PREFIX, chec
 from eagle3lib.drafter.config import to_speculators_dict
 from eagle3lib.drafter.vocab import VocabMap
 from eagle3lib.params import load_params
-from eagle3lib.training import train
+from eagle3lib.training import arms
 from eagle3lib.training.trainer import Processes, Trainer
 
 HIDDEN, VT, VD, AUX_IDS = 576, 49_152, 4_096, [1, 14, 26]
@@ -95,7 +95,7 @@ def eagle3lib_trainer(rows: int, ttt_steps: int, vocab_map: VocabMap, head: dict
                   "dtype": "fp32", "train_lm_head": False, "step_decay": 1.0, "max_grad_norm": MAX_GRAD_NORM,
                   "steps": 10**6, "warmup_steps": 1, "checkpoint_every": 0, "scratch": SIZES},
     })
-    drafter, _ = train.init_drafter("scratch", params["train"], data, seed=0)
+    drafter, _ = arms.init_drafter("scratch", params["train"], data, seed=0)
     # the batch is handed to each step here; the trainer's own batch stream is never read
     return Trainer(drafter, data, params["train"], 0, None, Processes(), log=lambda message: None)
 

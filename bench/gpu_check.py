@@ -44,7 +44,7 @@ from eagle3lib.drafter import ttt_attention
 from eagle3lib.drafter.config import default_aux_layer_ids
 from eagle3lib.drafter.vocab import VocabMap
 from eagle3lib.params import load_params
-from eagle3lib.training import train
+from eagle3lib.training import arms
 from eagle3lib.training.trainer import Processes, Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,7 +133,7 @@ def build_on_device(shape: argparse.Namespace, device: torch.device, seed: int =
     aux_ids = default_aux_layer_ids(61)
     data = TrainingData(None, vocab_map, head, H, vt, aux_ids, "Kimi-K2.5-shaped random target")
     with torch.device(device):
-        drafter, _ = train.init_drafter("scratch", t, data, seed=seed)
+        drafter, _ = arms.init_drafter("scratch", t, data, seed=seed)
     trainer = Trainer(drafter, data, t, seed, None, Processes(device=device), log=lambda m: None)
     head["lm_head.weight"] = head["lm_head.weight"].cpu()  # a real run keeps it on the host, as the plan does
     pre_norm = torch.randn(1, T, H, generator=generator, device=device, dtype=torch.bfloat16)

@@ -38,7 +38,7 @@ from eagle3lib.drafter import ttt_attention
 from eagle3lib.drafter.config import default_aux_layer_ids
 from eagle3lib.drafter.vocab import VocabMap
 from eagle3lib.params import load_params
-from eagle3lib.training import train
+from eagle3lib.training import arms
 from eagle3lib.training.loss import Targets, verifier_draft_logits, weighted_loss
 from eagle3lib.training.trainer import Processes, Trainer
 
@@ -154,7 +154,7 @@ def build_trainer(args: argparse.Namespace, fake: FakeTensorMode) -> tuple[Train
                 "norm.weight": torch.empty(H, dtype=data_dtype),
                 "lm_head.weight": torch.empty(args.vt, H, dtype=data_dtype)}
         data = TrainingData(None, vocab_map, head, H, args.vt, default_aux_layer_ids(61), "Kimi-K2.5")
-        drafter, _ = train.init_drafter("scratch", t, data, seed=0)
+        drafter, _ = arms.init_drafter("scratch", t, data, seed=0)
     vocab_map.draft_ids = real_ids
 
     with fake:

@@ -359,7 +359,7 @@ def _curve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from eagle3lib.data.benchmarks import Benchmark
-    from eagle3lib.decoding import engines, evaluate
+    from eagle3lib.decoding import curves, engines
     from eagle3lib.decoding.speculate import DraftSettings
     from eagle3lib.reports import plots
 
@@ -370,11 +370,11 @@ def _curve(args: argparse.Namespace) -> int:
             raise ValueError(f"--benchmark {item!r}: expected CORPUS:N, e.g. sharegpt:32")
         benchmarks.append(Benchmark(corpus, corpus, int(count)))
     target, tokenizer = engines.open_target(args.target, "builtin", args.dtype, args.device)
-    curve = evaluate.learning_curve(Path(args.arm_folder), target, tokenizer, benchmarks,
-                                    DraftSettings(steps=args.steps), args.max_new_tokens, args.batch_size,
-                                    log=lambda line: print(f"eagle3 curve: {line}", flush=True))
+    curve = curves.learning_curve(Path(args.arm_folder), target, tokenizer, benchmarks,
+                                  DraftSettings(steps=args.steps), args.max_new_tokens, args.batch_size,
+                                  log=lambda line: print(f"eagle3 curve: {line}", flush=True))
     plots.learning_curve(curve, Path(args.arm_folder) / "learning_curve.png")
-    print(f"eagle3 curve: {Path(args.arm_folder) / evaluate.LEARNING_CURVE}")
+    print(f"eagle3 curve: {Path(args.arm_folder) / curves.LEARNING_CURVE}")
     return 0
 
 

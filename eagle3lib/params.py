@@ -367,6 +367,30 @@ class TrainSection:
     save_speculators: bool = setting(
         False, "also save the final drafter in the speculators layout", resume_free=True
     )
+    l2sp: float = setting(
+        0.0,
+        "L2-SP: adds l2sp/2 x the squared distance of the trained weights from the warm start (after its "
+        "remap) to the loss; 0 = off. With arm drafter-l2sp in train.arms, that arm alone gets it",
+    )
+    validation_prompts: int = setting(
+        0,
+        "τ along training: prompts per benchmark of evaluate.benchmarks, drawn from the end of the held-out "
+        "questions (disjoint from 05's); 0 = no measurement, the drafter is the last weights",
+        at_least=0,
+    )
+    validation_new_tokens: int = setting(64, "new tokens a validation prompt is decoded for", at_least=1)
+    curve_points: int = setting(
+        6, "measurements after the start, at steps doubling up to train.steps (steps/32 .. steps for 6)",
+        at_least=1,
+    )
+    select_by: str = setting(
+        "first",
+        "which measured drafter becomes drafter/: first (best τ on the first benchmark), mean (best mean τ "
+        "over the benchmarks) or last",
+    )
+    early_stop: int = setting(
+        0, "stop an arm after this many measurements without a better validation τ; 0 = never", at_least=0
+    )
     scratch: ScratchSizes = subsection(
         ScratchSizes, "the scratch arm's sizes; null = copy the warm-start drafter's", decides_stand_in=True
     )

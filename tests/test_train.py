@@ -26,7 +26,7 @@ from eagle3lib.drafter.vocab import VocabMap, load_counts
 from eagle3lib.generation.capture import DataWriter
 from eagle3lib.params import DEFAULTS, load_params
 from eagle3lib.reports import publish
-from eagle3lib.training import loss, train, trainer
+from eagle3lib.training import arms, loss, train, trainer
 from eagle3lib.training.trainer import (
     STATE_FILE,
     BatchStream,
@@ -213,7 +213,7 @@ def test_speculators_copy_names_the_datas_target_and_refuses_what_speculators_ca
     # a warm start without the final norm before lm_head: speculators and vLLM always apply it, so the
     # export is refused by name before any step; the internal drafter/ checkpoint alone would be written
     training = synthetic_data(data_folder)
-    fresh, _ = train.init_drafter("scratch", tiny_params(data_folder)["train"], training, seed=0)
+    fresh, _ = arms.init_drafter("scratch", tiny_params(data_folder)["train"], training, seed=0)
     fresh.config.norm_before_lm_head = False
     save_drafter(fresh, tmp_path / "no_final_norm")
     params = tiny_params(data_folder, arms=["drafter"], drafter=str(tmp_path / "no_final_norm"), steps=2,
@@ -229,7 +229,7 @@ def test_frozen_lm_head_stays_the_targets_rows(tmp_path, data_folder):
     drafter, _ = load_drafter(result.drafter, strict=True)
     training = synthetic_data(data_folder)
     assert torch.equal(drafter.lm_head.weight, training.head["lm_head.weight"][training.vocab_map.draft_ids])
-    fresh, _ = train.init_drafter("scratch", tiny_params(data_folder)["train"], training, seed=0)  # untrained
+    fresh, _ = arms.init_drafter("scratch", tiny_params(data_folder)["train"], training, seed=0)  # untrained
     assert not torch.equal(drafter.fc.weight, fresh.fc.weight)
 
 
@@ -253,10 +253,10 @@ def test_step0_check_catches_a_shuffled_map_and_passes_after_remap(tmp_path, dat
     params = tiny_params(data_folder, drafter=source, allow_no_remap=True)
     checks = {}
     for arm in ("drafter", "drafter-no-remap"):
-        drafter, report = train.init_drafter(arm, params["train"], moved, seed=0)
+        drafter, report = arms.init_drafter(arm, params["train"], moved, seed=0)
         trainer = Trainer(drafter, moved, params["train"], 0, tmp_path / arm, Processes())
         metrics, baseline = trainer.evaluate(trainer.check_batches())
-        checks[arm] = train.diagnose(metrics, baseline, VD, warm_start=True)
+        checks[arm] = arms.diagnose(metrics, baseline, VD, warm_start=True)
         assert ("proof PASSED" in report) == (arm == "drafter")
     assert checks["drafter"].passed, checks["drafter"].message
     assert checks["drafter"].loss_0 < 0.5 * math.log(VD)
@@ -270,14 +270,14 @@ def test_step0_check_catches_a_shuffled_map_and_passes_after_remap(tmp_path, dat
         broken.lm_head.weight.copy_(broken.lm_head.weight.roll(7, dims=0))
     save_drafter(broken, tmp_path / "broken")
     params = tiny_params(data_folder, arms=["drafter"], drafter=str(tmp_path / "broken"))
-    with pytest.raises(train.StepZeroCheckFailed, match="aux layer ids"):
+    with pytest.raises(arms.StepZeroCheckFailed, match="aux layer ids"):
         train.train_arms(params, tmp_path / "out")
     assert not (tmp_path / "out" / "drafter" / "metrics.jsonl").exists()
 
 
 def test_no_remap_arm_needs_the_explicit_flag(data_folder):
     with pytest.raises(TrainingError, match="allow_no_remap"):
-        train.init_drafter("drafter-no-remap", tiny_params(data_folder, drafter="x")["train"],
+        arms.init_drafter("drafter-no-remap", tiny_params(data_folder, drafter="x")["train"],
                            synthetic_data(data_folder), seed=0)
 
 
@@ -287,7 +287,7 @@ def test_drafter_for_another_target_is_refused(tmp_path, data_folder):
     save_drafter(source, tmp_path / "other_aux")
     params = tiny_params(data_folder, drafter=str(tmp_path / "other_aux"))
     with pytest.raises(TrainingError, match=r"aux layers \[2, 5, 7\].*\[0, 1, 2\]"):
-        train.init_drafter("drafter", params["train"], synthetic_data(data_folder), seed=0)
+        arms.init_drafter("drafter", params["train"], synthetic_data(data_folder), seed=0)
 
 
 def train_interrupted(params: dict, out, monkeypatch, steps_done: int) -> None:

@@ -9,6 +9,10 @@ A benchmark's `corpus` is one of:
 - a prompt file (`.jsonl`, optionally `.gz`): one `{"prompt": str}` per line, or MT-Bench's `question.jsonl`
   (`{"question_id", "category", "turns": [str, ...]}`), whose turns are asked in order, each on the target's
   own reply to the turn before (as SGLang's MT-Bench benchmark does).
+
+Two draws never share a question: `test` takes a source's first questions (what 05 reports), `validation`
+its last ones (what training measures τ on to choose its checkpoint); asking for more than the two leave
+apart between them is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from eagle3lib.data.layout import DataError
 from eagle3lib.files import resolve_path
 
 PROMPT_KEYS = ("prompt", "turns")
+DRAWS = ("test", "validation")
 
 
 @dataclass(frozen=True)
@@ -108,33 +113,53 @@ def prompt_file_questions(path: Path) -> list[Question]:
 
 
 def questions(
-    corpus: str, num_prompts: int, prompt_chars: int = 600, heldout_fraction: float = 0.1, seed: int = 0
+    corpus: str, num_prompts: int, prompt_chars: int = 600, heldout_fraction: float = 0.1, seed: int = 0,
+    draw: str = "test",
 ) -> list[Question]:
-    """The first `num_prompts` questions of a source (0: all of a prompt file or of humaneval)."""
-    count = num_prompts or None
+    """The first `num_prompts` questions of a source (0: all of a prompt file or of humaneval); with
+    `draw="validation"` its last `num_prompts`, in their order."""
+    if draw not in DRAWS:
+        raise DataError(f"draw must be one of {', '.join(DRAWS)}, got {draw!r}")
+    if draw == "validation" and not num_prompts:
+        raise DataError(f"corpus {corpus!r}: a validation draw needs num_prompts")
     if corpus == corpora.HUMANEVAL:
-        found = [Question(task, (text,)) for task, text in corpora.humaneval_prompts()[:count]]
+        found = [Question(task, (text,)) for task, text in corpora.humaneval_prompts()]
     elif is_prompt_file(corpus):
-        found = prompt_file_questions(resolve_path(corpus))[:count]
+        found = prompt_file_questions(resolve_path(corpus))
     elif corpus_kind(corpus) == "documents":
         if not num_prompts:
             raise DataError(f"corpus {corpus!r}: give num_prompts (its held-out documents are many)")
-        texts = corpora.heldout_prompts(
-            corpus, num_prompts, max_chars=prompt_chars, heldout_fraction=heldout_fraction, seed=seed
-        )
-        found = [
-            Question(f"{corpus}#{i}", (f"{INSTRUCTIONS[corpus]}\n\n{text}",)) for i, text in enumerate(texts)
-        ]
+        docs = corpora.split_documents(corpus, "heldout", heldout_fraction, seed)
+        chosen = docs if draw == "validation" else islice(docs, num_prompts)
+        found = [Question(d.id, (f"{INSTRUCTIONS[corpus]}\n\n{corpora.opening(d.text, prompt_chars)}",))
+                 for d in chosen]
     else:
         if not num_prompts:
             raise DataError(f"corpus {corpus!r}: give num_prompts (its held-out conversations are many)")
-        held = islice(split_conversations(corpus, "heldout", heldout_fraction), num_prompts)
-        found = [Question(c.id, (c.user_turns()[0],), c.system_prompt()) for c in held]
+        held = split_conversations(corpus, "heldout", heldout_fraction)
+        found = [Question(c.id, (c.user_turns()[0],), c.system_prompt())
+                 for c in (held if draw == "validation" else islice(held, num_prompts))]
     if num_prompts and len(found) < num_prompts:
         raise DataError(
             f"corpus {corpus!r} holds {len(found)} evaluation prompts; {num_prompts} were asked for"
         )
-    return found
+    if not num_prompts:
+        return found
+    return found[-num_prompts:] if draw == "validation" else found[:num_prompts]
+
+
+def check_disjoint_draws(corpus: str, test_prompts: int, validation_prompts: int, prompt_chars: int = 600,
+                         heldout_fraction: float = 0.1) -> None:
+    """Refuse a test and a validation draw of `corpus` that would share a question (a source holding fewer
+    than both together), naming both counts."""
+    test = questions(corpus, test_prompts, prompt_chars, heldout_fraction)
+    validation = questions(corpus, validation_prompts, prompt_chars, heldout_fraction, draw="validation")
+    shared = {q.id for q in test} & {q.id for q in validation}
+    if shared:
+        raise DataError(
+            f"corpus {corpus!r}: its {len(test)} evaluation and {validation_prompts} validation prompts "
+            f"would share {len(shared)} (e.g. {sorted(shared)[0]}); lower one of them"
+        )
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:

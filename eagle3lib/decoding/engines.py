@@ -90,16 +90,20 @@ def open_target(spec: str, backend: str, dtype: str = "auto", device: str = "aut
     return str(folder), AutoTokenizer.from_pretrained(folder)
 
 
-def probe_prompts(tokenizer, corpus: str, num_prompts: int, prompt_chars: int, chat: bool, reply=None
-                  ) -> list[list[int]]:
+def probe_prompts(tokenizer, corpus: str, num_prompts: int, prompt_chars: int, chat: bool, reply=None,
+                  draw: str = "test") -> list[list[int]]:
     """Token ids of a benchmark's prompts (`eagle3lib.data.benchmarks`: held-out documents or conversations,
     humaneval, a prompt file), as user turns of the target's chat template; `chat` False: text corpora's
-    openings as they are. `reply` answers earlier turns of multi-turn questions (`target_replies`)."""
+    openings as they are. `reply` answers earlier turns of multi-turn questions (`target_replies`). `draw`:
+    the test questions 05 reports, or the disjoint validation ones training chooses its checkpoint on."""
     from eagle3lib.data import benchmarks
 
     if not chat:
+        if draw != "test":
+            raise ValueError("probe.chat false measures the test draw only")
         return benchmarks.plain_ids(tokenizer, corpus, num_prompts, prompt_chars)
-    return benchmarks.prompt_ids(tokenizer, benchmarks.questions(corpus, num_prompts, prompt_chars), reply)
+    found = benchmarks.questions(corpus, num_prompts, prompt_chars, draw=draw)
+    return benchmarks.prompt_ids(tokenizer, found, reply)
 
 
 def target_replies(target, max_new_tokens: int, batch_size: int):

@@ -145,6 +145,37 @@ def learning_curve(curve: dict, path: str | os.PathLike | None = None) -> Figure
     return _finish(fig, path)
 
 
+def training_curves(arms: dict[str, list[dict]], source: dict[str, dict] | None = None, title: str = "",
+                    path: str | os.PathLike | None = None) -> Figure:
+    """τ along training on the validation prompts, one panel per benchmark: one line per arm with its 95 %
+    intervals against the training tokens (log scale; each arm's start drawn at the left edge), and the
+    source drafter as-is as a band."""
+    names = list(next(iter(arms.values()))[0]["benchmarks"])
+    fig, panels = plt.subplots(1, len(names), figsize=(6.2 * len(names), 4.4), squeeze=False, sharey=True)
+    positive = [p["tokens"] for points in arms.values() for p in points if p["tokens"] > 0]
+    start = min(positive) / 2 if positive else 1
+    for axis, name in zip(panels[0], names, strict=True):
+        if source and name in source:
+            m = source[name]
+            axis.axhspan(m["tau_low"], m["tau_high"], color="grey", alpha=0.2)
+            axis.axhline(m["tau"], color="grey", linewidth=1, label=f"source drafter as-is {m['tau']:.2f}")
+        for arm, points in arms.items():
+            x = [max(p["tokens"], start) for p in points]
+            rows = [p["benchmarks"][name] for p in points]
+            y = [r["tau"] for r in rows]
+            errors = [[r["tau"] - r["tau_low"] for r in rows], [r["tau_high"] - r["tau"] for r in rows]]
+            axis.errorbar(x, y, yerr=errors, marker="o", capsize=3, label=f"{arm} ({y[0]:.2f} → {y[-1]:.2f})")
+        axis.set_xscale("log")
+        axis.set_xlabel("training tokens (log scale; the start at the left edge)")
+        axis.set_title(name, fontsize=10)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    panels[0][0].set_ylabel("validation τ, 95 % interval")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return _finish(fig, path)
+
+
 def depth_sweep(sweeps: dict[str, dict[str, dict]], path: str | os.PathLike | None = None) -> Figure:
     """Per drafter, across the draft settings of the K sweep: τ with its interval (left) and the measured
     wall-clock speedup over the target alone (right; the best setting of each drafter marked)."""

@@ -1,24 +1,20 @@
 """The fine-tuning experiment: arms of drafters trained with train-time test (TTT) by `training.trainer`.
 
-One call trains every arm in `train.arms`, each into its own folder, with the same data, schedule and
-budget:
-- `scratch`: a fresh drafter whose `lm_head` is the target's `lm_head` rows of the draft vocab;
-- `drafter`: the checkpoint in `train.drafter`; when its vocab map differs from the training map its
-  `lm_head` rows are moved with `remap.remap_drafter`, and the remap's proof is logged;
-- `drafter-no-remap`: the same checkpoint with the training map put in place and the rows left where
-  they were. This is the seed bug (labels scrambled), refused unless `train.allow_no_remap`; its
-  step-0 check is reported, not enforced, since the arm exists to show that failure.
-The token embedding is always the target's (from the data folder's `target_head.safetensors`), frozen.
+One call trains every arm in `train.arms` (`training.arms`: scratch, a remapped warm start, the seed bug
+reproduced, L2-SP), each into its own folder, with the same data, schedule and budget, after the step-0
+check.
 
-Before the first step every arm runs the step-0 check on a few batches: loss and acc_0 against ln(Vd)
-and against always proposing the most frequent token. A warm start that begins at or above ln(Vd), or
-no better than that baseline, has scrambled labels or mismatched inputs; it stops the arm unless
-`train.check_enforce` is false.
+With `train.validation_prompts` > 0 every arm is measured as it trains (`decoding.curves`): τ on each
+benchmark's validation prompts (never 05's) at the start and at steps doubling up to the last, one line a
+point in `curve.jsonl`; `drafter/` is then the measured drafter `train.select_by` picks and `drafter-last/`
+the last weights, and `train.early_stop` may end an arm that stopped improving. The source drafter as-is
+is measured once on the same prompts (`validation.json`).
 
 Outputs of an arm (folder `<out>/<arm>/`): `log.txt`, `load_report.txt`, `check.json`,
 `metrics.jsonl` (every `log_every` steps), `checkpoints/step_NNNNNN/` (the drafter in SGLang layout +
-`training_state.pt`; written atomically, the last `keep_checkpoints` kept), `drafter/` (final, SGLang
-layout), `drafter-speculators/` on request, and `summary.json`.
+`training_state.pt`; written atomically, the last `keep_checkpoints` kept), `curve.jsonl` and
+`points/step_NNNNNN/` (the chosen and the latest measured drafters), `drafter/` (SGLang layout),
+`drafter-last/`, `drafter-speculators/` on request, and `summary.json`.
 
 Command line (torchrun-able; gloo on CPU, nccl on GPU):
     python -m eagle3lib.training.train --params FILE [-p train.steps=50 ...] --out DIR [--resume]
@@ -30,7 +26,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -45,192 +40,28 @@ import torch.distributed as dist
 import yaml
 
 from eagle3lib import files, runs
+from eagle3lib.data.benchmarks import Benchmark, check_disjoint_draws
 from eagle3lib.data.layout import prepared_dir
 from eagle3lib.data.readers import TrainingData, offline_training_data
+from eagle3lib.decoding.curves import (
+    CURVE_FILE,
+    SELECT_RULES,
+    VALIDATION_FILE,
+    Validation,
+    chosen_point,
+    curve_steps,
+    measurements_without_gain,
+    score,
+)
+from eagle3lib.decoding.speculate import DraftSettings
 from eagle3lib.drafter.checkpoint import load_drafter, save_drafter
-from eagle3lib.drafter.config import LAYOUT_READERS, DrafterConfig, read_config
-from eagle3lib.drafter.model import Eagle3Drafter
+from eagle3lib.drafter.config import LAYOUT_READERS
 from eagle3lib.generation.online import ensure_text, online_training_data
 from eagle3lib.params import STAND_IN_DATA_KEYS, STAND_IN_TRAIN_KEYS, load_params, minimums
 from eagle3lib.target.model import Target
-from eagle3lib.training.loss import (
-    chance_loss,
-)
-from eagle3lib.training.remap import MISSING_POLICIES, drafter_map, remap_drafter
+from eagle3lib.training.arms import ARMS, StepZeroCheckFailed, arm_l2sp, diagnose, init_drafter
+from eagle3lib.training.remap import MISSING_POLICIES
 from eagle3lib.training.trainer import Processes, Trainer, TrainingError, micro_batches_per_rank
-
-ARMS = ("scratch", "drafter", "drafter-no-remap")
-
-
-class StepZeroCheckFailed(TrainingError):
-    pass
-
-
-@dataclass
-class CheckResult:
-    """The step-0 check: the drafter's loss and acc_0 before any training, and what they say."""
-
-    loss_0: float
-    acc_0: float
-    chance_loss: float  # ln(Vd)
-    baseline_acc: float  # always proposing the most frequent target token of these rows
-    metrics: dict
-    warm_start: bool  # only a warm start can fail: a fresh drafter is checked for reference
-    passed: bool
-    message: str
-
-
-def diagnose(metrics: dict, baseline_acc: float, vd: int, warm_start: bool) -> CheckResult:
-    loss_0, acc_0, ln_vd = metrics["loss_0"], metrics["acc_0"], chance_loss(vd)
-    failures = []
-    if not math.isfinite(loss_0) or loss_0 >= ln_vd:
-        failures.append(f"loss_0 {loss_0:.3f} >= ln(Vd) = ln({vd}) = {ln_vd:.3f}")
-    if acc_0 <= baseline_acc:
-        failures.append(
-            f"acc_0 {acc_0:.2%} is no better than always proposing the most frequent token "
-            f"({baseline_acc:.2%})"
-        )
-    numbers = f"loss_0 {loss_0:.3f} (ln Vd = {ln_vd:.3f}), acc_0 {acc_0:.2%} (baseline {baseline_acc:.2%})"
-    if not warm_start:
-        return CheckResult(loss_0, acc_0, ln_vd, baseline_acc, metrics, False, True,
-                           f"step-0 check (fresh drafter, for reference): {numbers}")
-    if not failures:
-        return CheckResult(loss_0, acc_0, ln_vd, baseline_acc, metrics, True, True,
-                           f"step-0 check passed: {numbers}")
-    message = (
-        f"step-0 check FAILED for a warm start: {'; '.join(failures)}. A drafter that knows its job starts "
-        "well below ln(Vd) and well above the baseline; this one predicts confidently wrong tokens. Check: "
-        "(1) the vocab maps: the checkpoint's d2t/t2d against the training map (`eagle3 diff-vocab`), and "
-        "that lm_head rows were remapped (arm `drafter`, not `drafter-no-remap`); (2) key names: the load "
-        "report must show every weight loaded, none missing or initialised; (3) aux layer ids and hidden "
-        "sizes: the data's aux ids must be the drafter's (eagle3lib numbering = output of layer i)."
-    )
-    return CheckResult(loss_0, acc_0, ln_vd, baseline_acc, metrics, True, False, message)
-
-
-# ----------------------------------------------------------------------------- inputs of an arm
-
-
-def _check_drafter_fits(drafter: Eagle3Drafter, source: str, data: TrainingData) -> None:
-    c = drafter.config
-    problems = []
-    if c.vocab_size != data.vocab_size:
-        problems.append(f"its Vt is {c.vocab_size}, the data's target has {data.vocab_size}")
-    if c.target_hidden_size != data.target_hidden_size:
-        problems.append(
-            f"it reads target hidden size {c.target_hidden_size}, the data has {data.target_hidden_size}"
-        )
-    if c.hidden_size != data.head["embed_tokens.weight"].shape[1]:
-        problems.append(
-            f"its hidden size {c.hidden_size} differs from the target embedding's "
-            f"{data.head['embed_tokens.weight'].shape[1]}"
-        )
-    if c.aux_layer_ids is not None and list(c.aux_layer_ids) != list(data.aux_layer_ids):
-        problems.append(
-            f"it was trained on aux layers {c.aux_layer_ids}, the data holds layers {data.aux_layer_ids} "
-            "(eagle3lib numbering)"
-        )
-    if problems:
-        raise TrainingError(
-            f"drafter {source} does not fit the data of {data.target}: " + "; ".join(problems)
-        )
-
-
-def scratch_config(train: dict, data: TrainingData) -> DrafterConfig:
-    """A fresh drafter's config: train.scratch sizes, else those of the warm-start drafter (same budget,
-    same architecture), with the target's hidden size, vocab and aux layers."""
-    sizes = dict(train["scratch"])
-    missing = [key for key, value in sizes.items() if value is None]
-    if missing and train["drafter"]:
-        source = read_config(files.resolve_path(train["drafter"]))[0]
-        sizes.update({key: getattr(source, key) for key in missing})
-    elif missing:
-        raise TrainingError(
-            f"the scratch arm needs train.scratch.{', train.scratch.'.join(missing)}, or a train.drafter "
-            "whose architecture it copies"
-        )
-    hidden = data.head["embed_tokens.weight"].shape[1]
-    return DrafterConfig(
-        hidden_size=hidden,
-        vocab_size=data.vocab_size,
-        draft_vocab_size=data.vocab_map.vd,
-        target_hidden_size=data.target_hidden_size,
-        aux_layer_ids=list(data.aux_layer_ids),
-        **sizes,
-    )
-
-
-def init_drafter(arm: str, train: dict, data: TrainingData, seed: int) -> tuple[Eagle3Drafter, str]:
-    """The drafter an arm starts from, on CPU in float32, and a report of how it was made."""
-    new_map = data.vocab_map
-    if arm == "scratch":
-        torch.manual_seed(seed)
-        drafter = Eagle3Drafter(scratch_config(train, data))
-        with torch.no_grad():
-            drafter.lm_head.weight.copy_(data.head["lm_head.weight"][new_map.draft_ids])
-            drafter.d2t.copy_(new_map.d2t)
-            drafter.t2d.copy_(new_map.t2d)
-        report = (
-            f"scratch: fresh drafter (seed {seed}), lm_head = the target's lm_head rows of the {new_map.vd} "
-            f"draft tokens; fc, midlayer and norm freshly initialised\n{_describe_config(drafter.config)}"
-        )
-    elif arm in ("drafter", "drafter-no-remap"):
-        if not train["drafter"]:
-            raise TrainingError(f"arm {arm!r} needs train.drafter, the checkpoint to start from")
-        if arm == "drafter-no-remap" and not train["allow_no_remap"]:
-            raise TrainingError(
-                "arm 'drafter-no-remap' keeps the checkpoint's lm_head rows under a different vocab map: the "
-                "scrambled-labels bug. It exists only to reproduce that bug; set train.allow_no_remap=true"
-            )
-        path = files.resolve_path(train["drafter"])
-        drafter, load_report = load_drafter(path, strict=True, dtype=torch.float32)
-        _check_drafter_fits(drafter, str(path), data)
-        old_map = drafter_map(drafter, str(path))
-        lines = [f"load report: {load_report}"]
-        verifier = drafter.config.verifier
-        if verifier and verifier != data.target:
-            lines.append(f"note: the checkpoint was made for {verifier}; the data comes from {data.target}")
-        if old_map == new_map:
-            lines.append("vocab map: the checkpoint's map is the training map; nothing to move")
-        elif arm == "drafter":
-            drafter, remap_report = remap_drafter(
-                drafter, new_map, missing=train["remap_missing"], target_head=data.head["lm_head.weight"],
-                seed=seed,
-            )
-            lines.append(f"vocab map differs from the training map: {remap_report.summary()}")
-            if not remap_report.proof.passed:
-                raise TrainingError(f"remap of {path} failed its proof: {remap_report.proof.summary()}")
-        else:
-            agree = int((old_map.draft_ids == new_map.draft_ids).sum()) if old_map.vd == new_map.vd else 0
-            if old_map.vd != new_map.vd:
-                raise TrainingError(
-                    f"drafter-no-remap needs equal draft vocab sizes: the checkpoint has {old_map.vd}, the "
-                    f"training map {new_map.vd}"
-                )
-            with torch.no_grad():
-                drafter.d2t.copy_(new_map.d2t)
-                drafter.t2d.copy_(new_map.t2d)
-            lines.append(
-                f"vocab map REPLACED WITHOUT REMAP (seed bug reproduced on purpose): lm_head rows kept, only "
-                f"{agree} of {new_map.vd} draft positions still name the same token"
-            )
-        report = "\n".join(lines)
-    else:
-        raise TrainingError(f"unknown arm {arm!r}; expected one of {', '.join(ARMS)}")
-    carried = "; the checkpoint's own copy is set aside" if hasattr(drafter, "embed_tokens") else ""
-    drafter = drafter.float()
-    drafter.attach_embedding(data.head["embed_tokens.weight"])  # frozen: no float32 copy of [Vt, H]
-    report += f"\nembedding: the target's (target_head.safetensors), frozen{carried}"
-    return drafter, report
-
-
-def _describe_config(c: DrafterConfig) -> str:
-    return (
-        f"H {c.hidden_size}, heads {c.num_attention_heads}/{c.num_key_value_heads} x {c.head_dim}, "
-        f"intermediate {c.intermediate_size}, Vt {c.vocab_size}, Vd {c.draft_vocab_size}, "
-        f"aux layers {c.aux_layer_ids}"
-    )
-
 
 # ----------------------------------------------------------------------------- settings
 
@@ -259,6 +90,11 @@ def check_settings(train: dict) -> None:
     unknown = [arm for arm in train["arms"] if arm not in ARMS]
     if unknown or not train["arms"]:
         problems.append(f"train.arms {train['arms']!r}: each must be one of {', '.join(ARMS)}")
+    if not train["l2sp"] >= 0 or ("drafter-l2sp" in train["arms"] and not train["l2sp"] > 0):
+        problems.append(f"train.l2sp must be >= 0, and > 0 for the arm drafter-l2sp, got {train['l2sp']}")
+    if train["select_by"] not in SELECT_RULES:
+        problems.append(f"train.select_by must be one of {', '.join(SELECT_RULES)}, "
+                        f"got {train['select_by']!r}")
     if problems:
         raise TrainingError("; ".join(problems))
     micro_batches_per_rank(train, train["nproc"])
@@ -275,9 +111,10 @@ class ArmResult:
     check: dict
     final: dict  # last logged training metrics
     final_check: dict  # the step-0 check's batches after training
-    drafter: str  # the final checkpoint (SGLang layout)
+    drafter: str  # what 05 evaluates and publish ships (SGLang layout): the chosen measured one, or the last
     steps: int
     seconds: float
+    chosen: dict | None = None  # the measured point drafter/ is, and the rule that chose it (validation on)
 
     @property
     def metrics(self) -> list[dict]:
@@ -294,6 +131,7 @@ class ArmResult:
             "predicted_tau": self.final_check["metrics"]["tau"],
             "check_passed": self.check["passed"],
             "drafter": self.drafter,
+            "chosen_step": self.chosen["step"] if self.chosen else self.steps,
         }
 
     @classmethod
@@ -322,10 +160,61 @@ def findings(results: dict[str, ArmResult]) -> str:
     return f"After {steps} optimizer steps on the same data: " + "; ".join(parts) + "."
 
 
+class CurveRecorder:
+    """An arm's τ along training (`Trainer.fit`'s `curve`): at each of `steps` the drafter is saved under
+    `points/step_NNNNNN/`, measured on the validation prompts and appended to `curve.jsonl`; only the chosen
+    point's and the latest point's folders are kept. Measured by the main process; the others learn whether
+    to stop early."""
+
+    def __init__(self, folder: Path, trainer: Trainer, validation: Validation | None, train: dict,
+                 procs: Processes, log):
+        self.folder, self.trainer, self.validation = folder, trainer, validation
+        self.procs, self.log = procs, log
+        self.rule, self.early_stop = train["select_by"], train["early_stop"]
+        self.steps = curve_steps(train["steps"], train["curve_points"])
+        self.path, self.points_dir = folder / CURVE_FILE, folder / "points"
+        self.points: list[dict] = []
+
+    def restore(self, step: int) -> None:
+        """Forget what was measured after `step` (the run resumes there): lines and folders."""
+        if self.procs.main and self.path.exists():
+            self.points = [p for p in files.read_json_lines(self.path) if p["step"] <= step]
+            files.atomic_write_text(self.path, "".join(json.dumps(p) + "\n" for p in self.points))
+            for old in self.points_dir.glob("step_*"):
+                if int(old.name.removeprefix("step_")) > step:
+                    shutil.rmtree(old)
+
+    def measure(self, step: int, tokens: int) -> bool:
+        stop = torch.zeros(1)
+        if self.procs.main and all(p["step"] != step for p in self.points):
+            folder = self.points_dir / f"step_{step:06d}"
+            save_drafter(self.trainer.drafter, folder, layout="sglang", overwrite=True)
+            point = {"step": step, "tokens": tokens, "benchmarks": self.validation.measure(folder)}
+            files.append_line(self.path, json.dumps(point))
+            self.points.append(point)
+            chosen = chosen_point(self.points, self.rule)
+            for old in self.points_dir.glob("step_*"):
+                if old.name not in (f"step_{chosen['step']:06d}", folder.name):
+                    shutil.rmtree(old)
+            taus = ", ".join(f"{name} {m['tau']:.3f}" for name, m in point["benchmarks"].items())
+            self.log(f"[{self.folder.name}] validation τ at step {step} ({tokens:,} tokens): {taus}")
+            waited = measurements_without_gain(self.points, self.rule)
+            stop[0] = bool(self.early_stop) and waited >= self.early_stop
+        return bool(self.procs.broadcast(stop.to(self.procs.device)).item())
+
+    def chosen(self) -> dict:
+        point = chosen_point(self.points, self.rule)
+        return {"step": point["step"], "tokens": point["tokens"], "rule": self.rule,
+                "score": score(point, "first" if self.rule == "last" else self.rule),
+                "drafter": str(self.points_dir / f"step_{point['step']:06d}"),
+                "measured": len(self.points)}
+
+
 def train_arm(arm: str, params: dict, out: Path, data: TrainingData, procs: Processes,
-              resume: bool = False) -> ArmResult:
-    """Train one arm into `out/<arm>/` and return its result (also written to summary.json)."""
-    train, seed = params["train"], params["run"]["seed"]
+              resume: bool = False, validation: Validation | None = None) -> ArmResult:
+    """Train one arm into `out/<arm>/` and return its result (also written to summary.json); `validation`
+    measures it along the way when `train.validation_prompts` asks for it."""
+    train, seed = {**params["train"], "l2sp": arm_l2sp(arm, params["train"])}, params["run"]["seed"]
     folder = Path(out) / arm
     if (folder / "summary.json").exists():
         if resume:
@@ -381,19 +270,32 @@ def train_arm(arm: str, params: dict, out: Path, data: TrainingData, procs: Proc
         else:
             log(f"[{arm}] trained anyway: train.check_enforce is false")
 
-    final = trainer.fit(resume=resume)
+    measuring = train["validation_prompts"] > 0
+    curve = CurveRecorder(folder, trainer, validation, train, procs, log) if measuring else None
+    final = trainer.fit(resume=resume, curve=curve)
     final_metrics, final_baseline = trainer.evaluate(check_batches)
     final_check = diagnose(final_metrics, final_baseline, data.vocab_map.vd, warm_start=False)
     drafter_path = folder / "drafter"
+    chosen = curve.chosen() if curve is not None and procs.main else None
     if procs.main:  # a resumed arm may have saved them before it was stopped: the same weights, replaced
-        save_drafter(trainer.drafter, drafter_path, layout="sglang", overwrite=resume)
+        if chosen:  # the measured drafter the rule picked; the last weights beside it
+            save_drafter(trainer.drafter, folder / "drafter-last", layout="sglang", overwrite=resume)
+            with files.staged_folder(drafter_path, replace=resume) as staging:
+                shutil.copytree(chosen["drafter"], staging, dirs_exist_ok=True)
+            log(f"[{arm}] drafter/ is the drafter of step {chosen['step']} ({chosen['tokens']:,} tokens), "
+                f"the {'last' if chosen['rule'] == 'last' else 'best'} of {chosen['measured']} measured by "
+                f"train.select_by {chosen['rule']} (score {chosen['score']:.3f}); drafter-last/ holds step "
+                f"{trainer.step}")
+        else:
+            save_drafter(trainer.drafter, drafter_path, layout="sglang", overwrite=resume)
         if train["save_speculators"]:
-            save_drafter(trainer.drafter, speculators_copy, layout="speculators", engines=export_engines,
+            chosen_drafter = load_drafter(drafter_path, strict=True)[0] if chosen else trainer.drafter
+            save_drafter(chosen_drafter, speculators_copy, layout="speculators", engines=export_engines,
                          overwrite=resume)
     result = ArmResult(
         arm=arm, folder=str(folder), init_report=init_report, check=asdict(check), final=final,
         final_check=asdict(final_check), drafter=str(drafter_path), steps=trainer.step,
-        seconds=time.perf_counter() - start,
+        seconds=time.perf_counter() - start, chosen=chosen,
     )
     log(f"[{arm}] done: loss {final_check.loss_0:.3f}, acc_0 {final_check.acc_0:.2%}, predicted tau "
         f"{final_metrics['tau']:.2f} on the check batches; drafter saved at {drafter_path}")
@@ -420,6 +322,7 @@ def train_arms(
     `train.nproc` > 1 (the launched job's log is followed here)."""
     train = params["train"]
     check_settings(train)
+    check_validation(params)
     out = Path(out)
     if train["nproc"] > 1:
         if train["data_mode"] == "online":  # the text first, in one process (self-distillation is long)
@@ -428,7 +331,50 @@ def train_arms(
         return {arm: ArmResult.read(out / arm) for arm in train["arms"]}
     procs = Processes.start(params["run"]["device"])
     data = arms_data(params, out, run_dir, procs)
-    return {arm: train_arm(arm, params, out, data, procs, resume=resume) for arm in train["arms"]}
+    validation = validation_of(params, data, out, procs)
+    return {arm: train_arm(arm, params, out, data, procs, resume=resume, validation=validation)
+            for arm in train["arms"]}
+
+
+def validation_benchmarks(params: dict) -> list[Benchmark]:
+    """The benchmarks training is measured on: 05's (`evaluate.benchmarks`), drawn from their other end."""
+    return [Benchmark.from_params(entry, f"evaluate.benchmarks[{i}]")
+            for i, entry in enumerate(params["evaluate"]["benchmarks"])]
+
+
+def check_validation(params: dict) -> None:
+    """Refuse validation settings that cannot work before training: no benchmark to measure on, or a
+    validation draw that would share prompts with what 05 reports."""
+    train = params["train"]
+    if not train["validation_prompts"]:
+        return
+    benchmarks = validation_benchmarks(params)
+    if not benchmarks:
+        raise TrainingError("train.validation_prompts needs evaluate.benchmarks, the benchmarks to measure")
+    for b in benchmarks:
+        check_disjoint_draws(b.corpus, b.num_prompts, train["validation_prompts"],
+                             params["probe"]["prompt_chars"])
+
+
+def validation_of(params: dict, data: TrainingData, out: Path, procs: Processes) -> Validation | None:
+    """The validation prompts and target of every arm (main process only), when `train.validation_prompts`
+    asks for it; what a point costs and the source drafter as-is, measured once, go to validation.json."""
+    train, probe = params["train"], params["probe"]
+    if not train["validation_prompts"] or not procs.main:
+        return None
+    target = getattr(data.reader, "target", None) or Target.from_params(params["target"], procs.device)
+    validation = Validation(target, validation_benchmarks(params), train["validation_prompts"],
+                            train["validation_new_tokens"], DraftSettings.from_probe(probe),
+                            probe["batch_size"], seed=params["run"]["seed"],
+                            prompt_chars=probe["prompt_chars"])
+    record = Path(out) / VALIDATION_FILE
+    if not record.exists():  # once per run: a resumed one keeps what it measured
+        source = None
+        if train["drafter"]:
+            source = {"drafter": train["drafter"],
+                      "benchmarks": validation.measure(files.resolve_path(train["drafter"]))}
+        files.atomic_write_text(record, json.dumps({"budget": validation.budget, "source": source}) + "\n")
+    return validation
 
 
 def arms_data(params: dict, out: Path, run_dir: Path | None, procs: Processes) -> TrainingData:
@@ -557,8 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_settings(params["train"])
         data = arms_data(params, out, run_dir, procs)
+        validation = validation_of(params, data, out, procs)
         for arm in params["train"]["arms"]:
-            train_arm(arm, params, out, data, procs, resume=args.resume)
+            train_arm(arm, params, out, data, procs, resume=args.resume, validation=validation)
     except (ValueError, FileExistsError) as err:  # bad input: params, data, checkpoints, a diverged run
         print(f"error (rank {procs.rank}): {err}", file=sys.stderr, flush=True)
         return 2

@@ -251,6 +251,9 @@ class Trainer:
             )
         self.weights = step_weights(train["ttt_steps"], train["step_decay"])
         self.parameters = [p for p in self.drafter.parameters() if p.requires_grad]
+        # L2-SP: the weights trained from (a warm start after its remap), what the penalty pulls towards
+        self.l2sp = train["l2sp"]
+        self.anchors = [p.detach().clone() for p in self.parameters] if self.l2sp else []
         self.optimizer = torch.optim.AdamW(
             self.parameters, lr=train["lr"], betas=tuple(train["betas"]), weight_decay=train["weight_decay"]
         )
@@ -265,6 +268,7 @@ class Trainer:
         # run logs what an uninterrupted one logs
         self.window = torch.zeros(5, train["ttt_steps"], dtype=torch.float64)
         self.window_tokens = self.window_positions = 0
+        self.tokens = 0  # real tokens trained on so far, all ranks: the x axis of τ along training
         self.autocast_dtype = autocast_dtype(train["dtype"], device)
 
     def to_device(self, batch: dict) -> dict:
@@ -333,6 +337,7 @@ class Trainer:
                 loss.backward()
             sums += step_sums.detached()
         procs.all_reduce(sums)
+        self.add_l2sp_gradient()
         max_norm = self.train["max_grad_norm"] or float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm))
         counts = torch.stack([sum(m["attention_mask"].sum() for m in micro),
@@ -340,13 +345,36 @@ class Trainer:
         tokens, positions = procs.all_reduce(counts.to(procs.device)).tolist()
         return sums, grad_norm, int(tokens), int(positions)
 
+    def add_l2sp_gradient(self) -> None:
+        """The gradient of l2sp/2 x Σ ||θ - θ0||², λ(θ - θ0), added to each trained weight's (once per
+        optimizer step: the penalty is not a mean over rows). Nothing at all when l2sp is 0."""
+        if not self.l2sp:
+            return
+        with torch.no_grad():
+            for weight, anchor in zip(self.parameters, self.anchors, strict=True):
+                pull = (weight - anchor) * self.l2sp
+                weight.grad = pull if weight.grad is None else weight.grad.add_(pull)
+
+    def l2sp_penalty(self) -> float:
+        """l2sp/2 x Σ ||θ - θ0||² now."""
+        with torch.no_grad():
+            return 0.5 * self.l2sp * sum(float((w - a).double().pow(2).sum())
+                                         for w, a in zip(self.parameters, self.anchors, strict=True))
+
     # ------------------------------------------------------------------ the loop
 
-    def fit(self, resume: bool = False) -> dict:
+    def fit(self, resume: bool = False, curve=None) -> dict:
+        """Train to `train.steps` (from the latest checkpoint when resuming). `curve` measures the drafter
+        along the way: `curve.restore(step)` on resuming, then `curve.measure(step, tokens)` at each of
+        `curve.steps` reached (0 included), which returns True to stop early."""
         t, procs = self.train, self.procs
         metrics_path = self.out / "metrics.jsonl"
         if resume:
             self._restore_latest(metrics_path)
+        if curve is not None:
+            curve.restore(self.step)
+            if self.step == 0 and 0 in curve.steps:
+                curve.measure(0, 0)
         window_start, last = time.perf_counter(), {}
         progress = progress_bar(total=t["steps"], initial=self.step, desc=self.out.name,
                                 disable=not procs.main)
@@ -370,6 +398,7 @@ class Trainer:
             self.window += sums.cpu()
             self.window_tokens += tokens
             self.window_positions += positions
+            self.tokens += tokens
             if self.step % t["log_every"] == 0 or self.step == t["steps"]:
                 elapsed = time.perf_counter() - window_start
                 last = {
@@ -378,8 +407,11 @@ class Trainer:
                     "grad_norm": grad_norm,
                     "tokens_per_s": self.window_tokens / elapsed,  # real tokens, padding not counted
                     "real_fraction": self.window_tokens / max(self.window_positions, 1),
+                    "tokens": self.tokens,
                     **summarize(self.window, self.weights),
                 }
+                if self.l2sp:
+                    last["l2sp_penalty"] = self.l2sp_penalty()
                 if procs.main:
                     files.append_line(metrics_path, json.dumps(last))
                 progress.set_postfix(loss=f"{last['loss']:.3f}", acc_0=f"{100 * last['acc_0']:.1f} %",
@@ -389,6 +421,10 @@ class Trainer:
             progress.update(1)
             if t["checkpoint_every"] and self.step % t["checkpoint_every"] == 0 and self.step < t["steps"]:
                 self.save_checkpoint(self.stream.state)
+            if curve is not None and self.step in curve.steps and curve.measure(self.step, self.tokens):
+                self.log(f"{self.out.name}: stopped early at step {self.step}: train.early_stop measurements "
+                         "without a better validation τ")
+                break
         progress.close()
         return last
 
@@ -415,6 +451,7 @@ class Trainer:
                         "window": self.window.clone(),
                         "window_tokens": self.window_tokens,
                         "window_positions": self.window_positions,
+                        "tokens": self.tokens,
                         "train": self.train,
                         "seed": self.seed,
                         "world_size": self.procs.world_size,
@@ -460,7 +497,7 @@ class Trainer:
         self.stream.restore(state["data"])
         _set_rng_state(state["rng"])
         self.window, self.window_tokens = state["window"], state["window_tokens"]
-        self.window_positions = state["window_positions"]
+        self.window_positions, self.tokens = state["window_positions"], state["tokens"]
         self.step = state["step"]
         if self.procs.main and metrics_path.exists():  # drop entries logged after that checkpoint
             whole, _, torn = metrics_path.read_text().rpartition("\n")

@@ -1,0 +1,129 @@
+"""τ along training: every arm measured on validation prompts disjoint from 05's, drafter/ chosen by that τ,
+early stopping, the source drafter as-is beside them, L2-SP, and what the curves say in training tokens."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from eagle3lib.data import benchmarks
+from eagle3lib.data.layout import DataError
+from eagle3lib.decoding import curves
+from eagle3lib.drafter.checkpoint import load_drafter
+from eagle3lib.training import train
+from eagle3lib.training.trainer import TrainingError
+from tests.test_online import recipe
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SOURCE = "tests/fixtures/speculate/tiny_llama_drafter"
+BENCHMARKS = [{"name": "code", "corpus": "stdlib-code", "num_prompts": 3},
+              {"name": "prose", "corpus": "pydoc-prose", "num_prompts": 3}]
+
+
+def curve_recipe(**train_overrides):
+    settings = dict(drafter=SOURCE, arms=["scratch", "drafter", "drafter-l2sp"], l2sp=1e-3, steps=8,
+                    validation_prompts=2, validation_new_tokens=8, curve_points=3, check_enforce=False)
+    params = recipe("online", **(settings | train_overrides))
+    params["evaluate"]["benchmarks"] = BENCHMARKS
+    params["probe"].update(batch_size=2, steps=2, num_draft_tokens=3)
+    return params
+
+
+@pytest.fixture(scope="module")
+def curve_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("curves") / "04_finetune"
+    return out, train.train_arms(curve_recipe(), out)
+
+
+@pytest.mark.parametrize("corpus", ["humaneval", "stdlib-code", "pydoc-prose", "sharegpt"])
+def test_the_validation_draw_shares_no_prompt_with_the_test_draw(corpus):
+    test = benchmarks.questions(corpus, 24, draw="test")
+    validation = benchmarks.questions(corpus, 16, draw="validation")
+    assert len(test) == 24 and len(validation) == 16
+    assert not {q.id for q in test} & {q.id for q in validation}
+    assert not {q.turns for q in test} & {q.turns for q in validation}
+    benchmarks.check_disjoint_draws(corpus, 24, 16)
+
+
+def test_draws_that_would_overlap_are_refused():
+    with pytest.raises(DataError, match="would share"):
+        benchmarks.check_disjoint_draws("humaneval", 100, 80)
+    params = curve_recipe(validation_prompts=100)
+    params["evaluate"]["benchmarks"] = [{"name": "he", "corpus": "humaneval", "num_prompts": 100}]
+    with pytest.raises(DataError, match="humaneval"):
+        train.train_arms(params, "/nonexistent/never-written")
+
+
+def test_curve_steps_start_at_zero_and_double_up_to_the_last():
+    assert curves.curve_steps(64, 6) == [0, 2, 4, 8, 16, 32, 64]
+    assert curves.curve_steps(8, 3) == [0, 2, 4, 8]
+    assert curves.curve_steps(3, 6) == [0, 1, 2, 3]
+
+
+def test_every_arm_is_measured_along_training_and_its_drafter_is_the_chosen_point(curve_run):
+    out, results = curve_run
+    source = json.loads((out / curves.VALIDATION_FILE).read_text())["source"]
+    assert set(source["benchmarks"]) == {"code", "prose"}
+    for arm, result in results.items():
+        points = curves.read_points(out / arm)
+        assert [p["step"] for p in points] == [0, 2, 4, 8], arm
+        assert [p["tokens"] for p in points] == sorted(p["tokens"] for p in points)
+        assert points[0]["tokens"] == 0
+        assert all(set(p["benchmarks"]) == {"code", "prose"} for p in points)
+        chosen = curves.chosen_point(points, "first")
+        assert result.chosen["step"] == chosen["step"] and result.chosen["rule"] == "first"
+        # drafter/ holds the chosen point's weights, drafter-last/ the final ones
+        kept = load_drafter(out / arm / "drafter", strict=True)[0].state_dict()
+        point = load_drafter(out / arm / "points" / f"step_{chosen['step']:06d}", strict=True)[0].state_dict()
+        assert all(torch.equal(kept[k], point[k]) for k in kept)
+        assert (out / arm / "drafter-last").is_dir()
+        # only the chosen and the latest points keep their folders
+        kept_points = {p.name for p in (out / arm / "points").iterdir()}
+        assert kept_points == {f"step_{chosen['step']:06d}", "step_000008"}
+    # a warm start's first point is the remapped drafter, measured before any step
+    assert results["drafter"].chosen is not None
+    lines = curves.findings({arm: curves.read_points(out / arm) for arm in results}, source["benchmarks"])
+    assert any("scratch needed" in line for line in lines)
+    assert any("above the source drafter as-is" in line for line in lines)
+    assert any("forgetting" in line and "prose" in line for line in lines)
+
+
+def test_l2sp_pulls_towards_the_warm_start_and_only_its_arm_has_it(curve_run):
+    out, results = curve_run
+    penalized = [m for m in results["drafter-l2sp"].metrics if "l2sp_penalty" in m]
+    assert penalized and all(m["l2sp_penalty"] > 0 for m in penalized)
+    assert not any("l2sp_penalty" in m for m in results["drafter"].metrics)
+
+
+def test_early_stop_ends_an_arm_after_measurements_without_gain(tmp_path):
+    params = curve_recipe(arms=["scratch"], steps=32, curve_points=6, early_stop=1, select_by="first")
+    out = tmp_path / "04_finetune"
+    result = train.train_arms(params, out)["scratch"]
+    points = curves.read_points(out / "scratch")
+    waited = curves.measurements_without_gain(points, "first")
+    assert result.steps == points[-1]["step"]
+    assert result.steps == 32 or waited == 1
+
+
+def test_resume_drops_the_points_measured_after_the_checkpoint(tmp_path, curve_run):
+    out, _ = curve_run
+    copy = tmp_path / "04_finetune"
+    shutil.copytree(out, copy)
+    arm = copy / "scratch"
+    (arm / "summary.json").unlink()
+    cut = curves.read_points(arm)
+    recorder = train.CurveRecorder(arm, None, None, curve_recipe()["train"], train.Processes(), print)
+    recorder.restore(4)
+    assert [p["step"] for p in curves.read_points(arm)] == [p["step"] for p in cut if p["step"] <= 4]
+    assert all(int(p.name.removeprefix("step_")) <= 4 for p in (arm / "points").iterdir())
+
+
+def test_a_bad_select_rule_or_l2sp_is_refused():
+    with pytest.raises(TrainingError, match="select_by"):
+        train.check_settings(curve_recipe(select_by="best")["train"])
+    with pytest.raises(TrainingError, match="l2sp"):
+        train.check_settings(curve_recipe(l2sp=0.0)["train"])
