@@ -24,6 +24,37 @@ def command(name: str, help: str, arguments: Callable[[argparse.ArgumentParser],
     return register
 
 
+def whole(low: int):
+    """An argparse type: an integer of at least `low` (argparse names the option in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def fraction(low: float, high: float, *, open_high: bool = False):
+    """An argparse type: a number in [low, high] ([low, high) with `open_high`)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (low <= value < high if open_high else low <= value <= high):
+            raise argparse.ArgumentTypeError(
+                f"must lie in [{low}, {high}{')' if open_high else ']'}, got {value}")
+        return value
+
+    return parse
+
+
 def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("params", help="a recipe under params/, e.g. params/demo.yaml")
     p.add_argument("--only", help="comma-separated notebook numbers, e.g. 00,04")
@@ -148,6 +179,8 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
                    "outputs/<run.name>/04_finetune)")
     p.add_argument("--run-dir", help="the run that '@step/...' paths refer to (default: the output's parent)")
     p.add_argument("--resume", action="store_true", help="continue each arm from its latest checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="record these params in a run folder that holds another run's (params.yaml)")
 
 
 @command("train", "fine-tune the recipe's arms (04_finetune without the notebook; torchrun when "
@@ -158,8 +191,9 @@ def _train(args: argparse.Namespace) -> int:
     from eagle3lib.training import train
 
     params, out, run_dir = train.recipe_for_training(args.params, args.param, args.out, args.run_dir)
+    train.check_recipe(params)  # before anything is written: a refused command leaves nothing behind
     # as `eagle3 run` does for its notebooks: what trained these arms, for `eagle3 publish`
-    run = runs.Run.open(run_dir, load_params(args.params, args.param))
+    run = runs.Run.open(run_dir, load_params(args.params, args.param), overwrite=args.overwrite)
     runs.record_provenance(run, [runs.FINETUNE])
     results = train.train_arms(params, out, run_dir=run_dir, resume=args.resume)
     print(f"eagle3 train: {train.findings(results)}")
@@ -303,10 +337,10 @@ def _probe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="a local Hugging Face folder or zoo:<name>")
     p.add_argument("--corpus", required=True, help="the prompts, as probe.corpus: sharegpt, humaneval, "
                    "stdlib-code, pydoc-prose, a conversation file or a prompt file")
-    p.add_argument("--num-prompts", type=int, default=32, help="0: all of a prompt file or of humaneval")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--steps", type=int, default=3, help="chain draft depth K")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--num-prompts", type=whole(0), default=32, help="0: all of a prompt file or of humaneval")
+    p.add_argument("--max-new-tokens", type=whole(1), default=128)
+    p.add_argument("--steps", type=whole(1), default=3, help="chain draft depth K")
+    p.add_argument("--batch-size", type=whole(1), default=16)
     p.add_argument("--dtype", default="float32", help="the target's dtype (float32: greedy output exact)")
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true", help="one JSON object per drafter")
@@ -346,9 +380,9 @@ def _curve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="a local Hugging Face folder or zoo:<name>")
     p.add_argument("--benchmark", action="append", required=True, metavar="CORPUS:N",
                    help="prompts to measure on, e.g. sharegpt:32 or humaneval:32 (repeatable)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--steps", type=int, default=3, help="chain draft depth K")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=whole(1), default=128)
+    p.add_argument("--steps", type=whole(1), default=3, help="chain draft depth K")
+    p.add_argument("--batch-size", type=whole(1), default=16)
     p.add_argument("--dtype", default="float32", help="the target's dtype (float32: greedy output exact)")
     p.add_argument("--device", default="auto")
 
@@ -382,15 +416,15 @@ def _dataset_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="a conversation file or folder (.json/.jsonl, optionally .gz), or sharegpt")
     p.add_argument("--target", required=True, help="whose chat template renders it: a local Hugging Face "
                    "folder or zoo:<name> (only its tokenizer is read)")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sample (longer ones are cut)")
+    p.add_argument("--seq-len", type=whole(2), default=2048, help="tokens per sample (longer ones are cut)")
     p.add_argument("--loss-turns", choices=["all", "last"], default="all",
                    help="every assistant turn in the loss, or only the last")
     p.add_argument("--split", choices=["train", "heldout", "all"], default="train",
                    help="the conversations 00 trains on (train, as a hash of each id decides), the held-out "
                         "ones, or all")
-    p.add_argument("--heldout-fraction", type=float, default=0.1)
-    p.add_argument("--limit", type=int, help="stop after this many samples")
-    p.add_argument("--show", type=int, metavar="I", help="print sample I decoded, its loss spans in «»")
+    p.add_argument("--heldout-fraction", type=fraction(0, 1, open_high=True), default=0.1)
+    p.add_argument("--limit", type=whole(1), help="stop after this many samples")
+    p.add_argument("--show", type=whole(0), metavar="I", help="print sample I decoded, its loss spans in «»")
     p.add_argument("--json", action="store_true", help="print one JSON object: read, skipped, samples "
                    "(id, input_ids, loss_mask) of the first --limit samples")
 
@@ -450,23 +484,24 @@ def _regenerate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=ENGINES, default=defaults.engine)
     p.add_argument("--url", default="", help="engine server: http://HOST:PORT of an SGLang or vLLM server")
     p.add_argument("--model", default="", help="engine server: the model name it serves (default: --target)")
-    p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
-    p.add_argument("--temperature", type=float, default=defaults.temperature, help="0 = greedy")
+    p.add_argument("--max-new-tokens", type=whole(1), default=defaults.max_new_tokens)
+    p.add_argument("--temperature", type=fraction(0, 100), default=defaults.temperature, help="0 = greedy")
     p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    p.add_argument("--max-turns", type=int, default=defaults.max_turns, help="user turns answered; 0 = all")
-    p.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens)
+    p.add_argument("--batch-size", type=whole(1), default=defaults.batch_size)
+    p.add_argument("--max-turns", type=whole(0), default=defaults.max_turns,
+                   help="user turns answered; 0 = all")
+    p.add_argument("--max-prompt-tokens", type=whole(1), default=defaults.max_prompt_tokens)
     p.add_argument("--dtype", default=defaults.dtype, help="builtin and vllm: auto | float32 | bfloat16")
-    p.add_argument("--limit", type=int, help="stop after this many conversations")
-    p.add_argument("--skip", type=int, default=0, help="leave out the first N conversations (another run "
-                   "answers them: two machines, one dataset)")
-    p.add_argument("--max-seconds", type=float, help="start no chunk after this many seconds; the file is "
-                   "finished with what was written (a time-boxed machine)")
-    p.add_argument("--chunk", type=int, help="conversations regenerated and appended together (default: 4 x "
-                   "--batch-size): what an interruption can lose")
+    p.add_argument("--limit", type=whole(1), help="stop after this many conversations")
+    p.add_argument("--skip", type=whole(0), default=0, help="leave out the first N conversations (another "
+                   "run answers them: two machines, one dataset)")
+    p.add_argument("--max-seconds", type=fraction(0, float("inf")), help="start no chunk after this many "
+                   "seconds; the file is finished with what was written (a time-boxed machine)")
+    p.add_argument("--chunk", type=whole(1), help="conversations regenerated and appended together (default: "
+                   "4 x --batch-size): what an interruption can lose")
     p.add_argument("--split", choices=["train", "heldout", "all"], default="train",
                    help="which conversations: the training split (default), the held-out one, or all")
-    p.add_argument("--heldout-fraction", type=float, default=0.1)
+    p.add_argument("--heldout-fraction", type=fraction(0, 1, open_high=True), default=0.1)
 
 
 @command("regenerate", "replace every assistant turn of a conversation dataset by the target's own reply",
@@ -476,6 +511,7 @@ def _regenerate(args: argparse.Namespace) -> int:
     from itertools import islice
     from pathlib import Path
 
+    from eagle3lib import files
     from eagle3lib.data import corpora
     from eagle3lib.data.conversations import ChatRenderer, read_conversations
     from eagle3lib.generation import regenerate
@@ -510,7 +546,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         source["skip"] = args.skip
         conversations = islice(conversations, args.skip, None)
     out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    files.make_folder(out.parent)
     command_line = "eagle3 regenerate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     with regenerate.make_engine(settings, target, renderer, out.parent) as engine:
         manifest = regenerate.regenerate(conversations, out, engine, renderer, settings, source=source,
@@ -520,6 +556,44 @@ def _regenerate(args: argparse.Namespace) -> int:
     print(f"eagle3 regenerate: {out}: {counts['conversations']:,} conversations, {counts['replies']:,} "
           f"replies, {counts['reply_tokens']:,} reply tokens at {counts['reply_tokens_per_s']:.0f} tok/s; "
           f"skipped {counts['skipped'] or 'none'}; manifest {regenerate.manifest_path(out)}")
+    return 0
+
+
+def _accept_edit_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="a regenerated dataset file (its manifest beside it) or a published "
+                   "drafter's folder or weights (its provenance.json)")
+
+
+@command("accept-edit", "record the present SHA-256 of a shipped file edited on purpose, with the history "
+         "of accepted edits", _accept_edit_arguments)
+def _accept_edit(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from eagle3lib.data.conversations import manifest_path
+    from eagle3lib.drafter.checkpoint import PROVENANCE
+    from eagle3lib.files import accept_edit
+
+    path = Path(args.path)
+    folder = path if path.is_dir() else path.parent
+    if path.is_file() and manifest_path(path).is_file():
+        def put(record: dict, new: str) -> str:
+            previous, record["sha256"], record["bytes"] = record.get("sha256"), new, path.stat().st_size
+            return previous
+
+        print(accept_edit(path, manifest_path(path), put))
+        return 0
+    record_file = folder / PROVENANCE
+    if not record_file.is_file():
+        raise ValueError(f"{path}: neither a manifest ({manifest_path(path).name}) nor a {PROVENANCE} "
+                         "records a hash for it")
+    names = [path.name] if path.is_file() else list(json.loads(record_file.read_text()).get("sha256", {}))
+    for name in names:
+        def put(record: dict, new: str, name=name) -> str:
+            previous, record.setdefault("sha256", {})[name] = record.get("sha256", {}).get(name), new
+            return previous
+
+        print(accept_edit(folder / name, record_file, put))
     return 0
 
 

@@ -61,7 +61,14 @@ def resolve_device(device: str | torch.device) -> torch.device:
         return device
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        found = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"device {device!r} is not a device name (auto, cpu, cuda, cuda:N): {err}") from None
+    if found.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build of torch" if torch.version.cuda is None else "no visible CUDA device"
+        raise ValueError(f"device {device!r} asked for, but this machine runs {build}: use cpu or auto")
+    return found
 
 
 def fast_bf16(device: torch.device, training: bool = False) -> bool:

@@ -4,7 +4,8 @@ Everything here is about files, not about what they hold: a relative path resolv
 root; a file or folder is written beside its destination and renamed into place (`atomic_write_text`,
 `staged_folder`, `staging_path`), with the permissions a plain `open()` would give it (`shareable`); an
 append is one whole line or nothing (`append_line`); safetensors and weights-only torch files are read with
-failures raised as the caller's own error type, naming the file. torch and safetensors are imported where
+failures raised as the caller's own error type, naming the file; a shipped file is checked against the hash
+its record holds (`check_recorded_hash`). torch and safetensors are imported where
 they are used, so that the modules above can be imported without them.
 """
 
@@ -19,8 +20,9 @@ import pickle
 import re
 import shutil
 import tempfile
+import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,58 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+@contextmanager
+def held(lock_file: Path, busy: Callable[[str], Exception]) -> Iterator[None]:
+    """Hold `lock_file` (flock) for the block, writing this process's id in it; when another process holds it,
+    raise `busy(its holder)` before anything is written. The lock goes with the process: a killed one
+    leaves none behind."""
+    import fcntl
+
+    make_folder(lock_file.parent)
+    with open(lock_file, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            raise busy(handle.read().strip() or "process unknown") from None
+        handle.truncate(0)
+        handle.write(f"process {os.getpid()}\n")
+        handle.flush()
+        yield
+
+
+_verified: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> SHA-256: hash a shipped file once
+
+
+def check_recorded_hash(path: Path, recorded: str, record: Path, error: type[Exception] = ValueError) -> None:
+    """Refuse a file whose SHA-256 is not the one `record` (a manifest, a provenance) holds for it, naming
+    the file and both hashes: a shipped file edited by hand is never used silently. `eagle3 accept-edit PATH`
+    records an edited copy on purpose."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    found = _verified.get(key) or file_sha256(path)
+    if found != recorded:
+        raise error(f"{path}: SHA-256 {found} is not the {recorded} recorded in {record}: the file changed "
+                    f"since it was made; restore it, or accept the edited copy: eagle3 accept-edit {path}")
+    _verified[key] = found
+
+
+def accept_edit(path: Path, record_file: Path, set_hash: Callable[[dict, str], str]) -> str:
+    """Record the file `path`'s present SHA-256 in the JSON record `record_file` (`set_hash(record, new)`
+    puts it in place and returns the hash it replaced), keeping the history of accepted edits beside it.
+    Returns a sentence saying what changed."""
+    record = json.loads(record_file.read_text())
+    found = file_sha256(path)
+    previous = set_hash(record, found)
+    if previous == found:
+        return f"{path}: its SHA-256 {found} is already the one {record_file} records; nothing changed"
+    record.setdefault("edits_accepted", []).append(
+        {"file": path.name, "previous_sha256": previous, "sha256": found,
+         "accepted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    atomic_write_text(record_file, json.dumps(record, indent=2) + "\n")
+    return f"{record_file}: {path.name} accepted as edited ({previous} -> {found})"
 
 
 # ---------------------------------------------------------------- permissions and staging
@@ -299,11 +353,14 @@ def load_weights_only(file: str | os.PathLike, error: type[Exception] = ReadErro
             return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        if found is None:
-            raise error(f"{file}: not readable as a weights-only torch file ({err})") from err
+        if found is None:  # torch's own text advises an unsafe reload: never passed on
+            detail = re.search(r"WeightsUnpickler error: ([^\n]+)", str(err))
+            why = detail[1] if detail else "unreadable"
+            raise error(f"{file}: not a torch.save file of tensors ({why}); it is not loaded") from None
         raise error(
             f"{file}: refused, it needs {found[1]}, which only an unsafe unpickler rebuilds (running code "
-            "from the file), so it is not readable as a weights-only torch file"
-        ) from err
+            "from the file), so it is not loaded"
+        ) from None
     except Exception as err:  # a damaged file: torch raises several types
-        raise error(f"{file}: not readable as a weights-only torch file ({err})") from err
+        raise error(f"{file}: not readable as a weights-only torch file ({type(err).__name__}: "
+                    f"{str(err).splitlines()[0] if str(err) else 'damaged'})") from err

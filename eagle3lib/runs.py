@@ -7,7 +7,6 @@ each step records its numbers under its own name.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from eagle3lib.files import REPO_ROOT, atomic_write_text, make_folder, resolve_path
+from eagle3lib.files import REPO_ROOT, atomic_write_text, held, make_folder, resolve_path
 from eagle3lib.params import ParamsError, load_params, override_dict
 from eagle3lib.progress import HEADLESS
 
@@ -77,15 +76,14 @@ class Run:
 
     @classmethod
     def open(cls, run_dir: str | os.PathLike | None, params: dict, overwrite: bool = False) -> Run:
-        path = run_path(run_dir, params)
-        path.mkdir(parents=True, exist_ok=True)
+        path = make_folder(run_path(run_dir, params))
         saved = path / "params.yaml"
         if saved.exists() and not overwrite:
             previous = yaml.safe_load(saved.read_text())
             if previous != params:
                 raise RunExistsError(
-                    f"{saved} holds different params from this run's; choose another run folder "
-                    "or pass overwrite=True"
+                    f"{saved} holds different params from this run's; choose another run folder, or "
+                    "replace its outputs (eagle3 run/train --overwrite, overwrite=True in a notebook)"
                 )
         else:
             atomic_write_text(saved, yaml.safe_dump(params, sort_keys=False))
@@ -97,11 +95,11 @@ class Run:
         if path.exists() and any(path.iterdir()):
             if not self.overwrite:
                 raise RunExistsError(
-                    f"{path} already holds a previous run's outputs; use another run folder "
-                    "or overwrite=True"
+                    f"{path} already holds a previous run's outputs; use another run folder, or replace "
+                    "them (eagle3 run/train --overwrite, overwrite=True in a notebook)"
                 )
             shutil.rmtree(path)
-        path.mkdir(parents=True, exist_ok=True)
+        make_folder(path)
         return path
 
     @property
@@ -233,7 +231,7 @@ def execute_notebook(
     """Execute one notebook with papermill; returns wall seconds or raises NotebookFailed."""
     import papermill
 
-    output.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(output.parent)
     start = time.perf_counter()
     try:
         with headless_kernels():
@@ -245,6 +243,9 @@ def execute_notebook(
                 kernel_name="python3",
                 progress_bar=progress_bar,
                 log_output=False,
+                # the kernel's own log (a TCP-transport warning at start, "KeyboardInterrupt caught" at
+                # shutdown) is not the run's: a cell's error reaches the run through the notebook
+                extra_arguments=["--IPKernelApp.log_level=CRITICAL"],
             )
     except papermill.PapermillExecutionError as err:
         cell = f"#{err.exec_count}" if err.exec_count is not None else f"index {err.cell_index}"
@@ -255,23 +256,11 @@ def execute_notebook(
 LOCK_FILE = ".lock"
 
 
-@contextmanager
-def run_lock(run_dir: Path) -> Iterator[None]:
+def run_lock(run_dir: Path):
     """Hold the run folder for the block: another `eagle3 run` on it is refused before it writes anything. The
     lock (flock on `run_dir/.lock`) goes with the process holding it, so a killed run leaves none behind."""
-    with open(make_folder(run_dir) / LOCK_FILE, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "process unknown"
-            raise RunExistsError(
-                f"{run_dir} is in use by another run ({holder}); let it end or choose another run name"
-            ) from None
-        handle.truncate(0)
-        handle.write(f"process {os.getpid()}\n")
-        handle.flush()
-        yield
+    return held(Path(run_dir) / LOCK_FILE, lambda holder: RunExistsError(
+        f"{run_dir} is in use by another run ({holder}); let it end or choose another run name"))
 
 
 def run_notebooks(

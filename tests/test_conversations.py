@@ -337,7 +337,7 @@ def test_prepare_reads_conversations_and_reports_what_it_read(tmp_path, text):
         assert all(c.messages[0] == originals[c.id].messages[0] for c in written)  # the user's turn, kept
         assert all(c.messages[1]["content"] != originals[c.id].messages[1]["content"] for c in written)
         manifest = json.loads(regenerated.with_name("regenerated.manifest.json").read_text())
-        assert manifest["complete"] and manifest["source"]["path"] == str(path)
+        assert manifest["complete"] and manifest["source"]["file"] == path.name  # no machine's folder
 
 
 def test_eagle3_dataset_shows_what_the_drafter_learns(tmp_path, capsys):

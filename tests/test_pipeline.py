@@ -102,7 +102,7 @@ def test_smoke_recipe_runs_all_six_notebooks_chained(smoke_run, tmp_path):
     weights = published / "model.safetensors"
     stored = weights.read_bytes()
     weights.write_bytes(stored[:-1] + bytes([stored[-1] ^ 0xFF]))  # one changed byte
-    with pytest.raises(publish.PublishError, match="SHA-256"):
+    with pytest.raises(ValueError, match="SHA-256"):
         publish.verify(published)
 
     summary = report.write_summary(run_dir).read_text()

@@ -7,6 +7,7 @@ import gzip
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -108,15 +109,25 @@ def test_an_interrupted_regeneration_continues_and_leaves_written_ones_untouched
     assert not partial.exists()
 
 
+def dies_after(calls: int, monkeypatch):
+    """The built-in engine's replies fail (a kill) from its `calls`-th call on."""
+    original, made = regen.BuiltinEngine.replies, {"n": 0}
+
+    def replies(self, requests):
+        made["n"] += 1
+        if made["n"] >= calls:
+            raise KeyboardInterrupt
+        return original(self, requests)
+
+    monkeypatch.setattr(regen.BuiltinEngine, "replies", replies)
+
+
 def test_a_partial_file_from_other_settings_is_refused(tiny, tmp_path, monkeypatch):
     out = tmp_path / "out.jsonl"
-    monkeypatch.setattr(
-        regen.BuiltinEngine, "replies", lambda self, r: (_ for _ in ()).throw(KeyboardInterrupt)
-    )
+    dies_after(3, monkeypatch)  # conversation a (two turns) is written and counted; b's first turn dies
     with pytest.raises(KeyboardInterrupt):
-        run(tiny, out)
+        run(tiny, out, chunk=1)
     monkeypatch.undo()
-    regen.partial_path(out).write_text(json.dumps({"id": "a", "conversations": []}) + "\n")
     hotter = regen.RegenerationSettings(max_new_tokens=6, batch_size=2, temperature=0.7)
     with pytest.raises(
         regen.RegenerationError,
@@ -124,6 +135,90 @@ def test_a_partial_file_from_other_settings_is_refused(tiny, tmp_path, monkeypat
         r"'temperature': 0.0.* -> .*'temperature': 0.7",
     ):
         run(tiny, out, settings=hotter)
+
+
+def test_a_run_that_wrote_nothing_leaves_nothing_to_block_the_next(tiny, tmp_path, monkeypatch):
+    out = tmp_path / "out.jsonl.gz"
+    dies_after(1, monkeypatch)  # the first chunk dies: nothing answered, nothing written
+    with pytest.raises(KeyboardInterrupt):
+        run(tiny, out)
+    assert not regen.partial_path(out).exists() and not regen.manifest_path(out).exists()
+    monkeypatch.undo()
+    bad = ["not a conversation", *SOURCE]  # a bad source stops the run at its first record
+    with pytest.raises(AttributeError):
+        run(tiny, out, source=bad, chunk=1)
+    assert not regen.partial_path(out).exists() and not regen.manifest_path(out).exists()
+    hotter = regen.RegenerationSettings(max_new_tokens=6, batch_size=2, temperature=0.7)
+    assert run(tiny, out, settings=hotter, limit=1)["complete"]  # other settings: nothing was committed yet
+
+
+def test_a_kill_between_a_chunk_and_its_manifest_update_is_regenerated_and_counted_once(tiny, tmp_path,
+                                                                                      monkeypatch):
+    whole = tmp_path / "whole.jsonl"
+    reference = run(tiny, whole, chunk=1)
+    out = tmp_path / "out.jsonl"
+    writes = {"n": 0}
+    original = regen.atomic_write_text
+
+    def killed_at_the_second_commit(path, text):
+        writes["n"] += 1
+        if writes["n"] == 2:  # the second chunk is in the partial file, its count is not
+            raise KeyboardInterrupt
+        return original(path, text)
+
+    monkeypatch.setattr(regen, "atomic_write_text", killed_at_the_second_commit)
+    with pytest.raises(KeyboardInterrupt):
+        run(tiny, out, chunk=1)
+    assert len(regen.partial_path(out).read_text().splitlines()) == 2  # written, not counted
+    monkeypatch.undo()
+    manifest = run(tiny, out, chunk=1)
+    lines = out.read_text().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == ["a", "b", "c"]
+    assert manifest["lines"] == 3 and manifest["counts"]["conversations"] == 3
+    assert manifest["counts"]["replies"] == reference["counts"]["replies"] == 4
+    assert out.read_text() == whole.read_text()
+
+
+@pytest.mark.parametrize("kill", ["before the rename", "after the rename"])
+def test_a_kill_around_the_final_rename_is_finished_by_the_same_command(tiny, tmp_path, monkeypatch, kill):
+    out = tmp_path / "out.jsonl.gz"
+    original_replace, original_unlink = regen.os.replace, Path.unlink
+
+    def replace(src, dst):
+        if kill == "before the rename" and Path(dst) == out:
+            raise KeyboardInterrupt
+        return original_replace(src, dst)
+
+    def unlink(self, missing_ok=False):
+        if kill == "after the rename" and self == regen.partial_path(out):
+            raise KeyboardInterrupt
+        return original_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(regen.os, "replace", replace)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    with pytest.raises(KeyboardInterrupt):
+        run(tiny, out)
+    monkeypatch.undo()
+    manifest = run(tiny, out)  # the same command, rerun
+    assert manifest["complete"] and out.exists() and not regen.partial_path(out).exists()
+    assert manifest["sha256"] == regen.file_sha256(out)
+    assert [c.id for c in read_conversations(out)] == ["a", "b", "c"]
+
+
+def test_two_regenerations_into_one_output_are_refused_while_one_runs(tiny, tmp_path):
+    out = tmp_path / "out.jsonl"
+    with regen.output_lock(out):
+        with pytest.raises(regen.RegenerationError, match="being written by another regeneration"):
+            run(tiny, out)
+    assert not out.exists() and not regen.partial_path(out).exists()
+
+
+@pytest.mark.parametrize("setting", [{"limit": -1}, {"limit": 0}, {"chunk": -3}, {"max_seconds": -1}])
+def test_settings_that_are_not_sizes_are_refused_before_anything_is_written(tiny, tmp_path, setting):
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(regen.RegenerationError, match=f"{next(iter(setting))} must be at least"):
+        run(tiny, out, **setting)
+    assert list(tmp_path.iterdir()) == []  # refused before even the lock
 
 
 def test_limits_prompt_length_and_turns_are_counted(tiny, tmp_path):

@@ -116,6 +116,13 @@ def test_harness_runs_a_notebook_with_injected_params(tmp_path):
     assert (tmp_path / "run" / "99_probe.ipynb").exists()
 
 
+def test_a_notebook_run_prints_no_kernel_log(tmp_path, capfd):
+    notebook = make_notebook(tmp_path / "97_quiet.ipynb", "x = 1")
+    runs.execute_notebook(notebook, tmp_path / "out.ipynb", {"run_dir": str(tmp_path)})
+    printed = "".join(capfd.readouterr())
+    assert "[IPKernelApp]" not in printed and "KeyboardInterrupt" not in printed
+
+
 def test_failing_notebook_names_the_cell_and_the_partial_output(tmp_path):
     notebook = make_notebook(tmp_path / "98_fail.ipynb", "raise RuntimeError('boom')")
     output = tmp_path / "out.ipynb"

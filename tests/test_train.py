@@ -545,3 +545,42 @@ def test_a_dangling_symlink_as_output_is_named(tmp_path, data_folder, capsys):
     with pytest.raises(FileExistsError, match=rf"^{re.escape(str(out))} is a symbolic link to "
                        rf"{re.escape(str(tmp_path / 'nowhere'))}, which does not exist, not a folder"):
         train.train_arms(tiny_params(data_folder, steps=2), out)
+
+
+# ----------------------------------------------------------------------------- L2-SP
+
+
+def test_l2sp_adds_the_penalty_gradient_lambda_times_the_distance_from_the_warm_start(data_folder, tmp_path):
+    training = synthetic_data(data_folder)
+    params = tiny_params(data_folder, l2sp=0.25)
+    drafter, _ = arms.init_drafter("scratch", params["train"], training, seed=0)
+    fitted = trainer.Trainer(drafter, training, params["train"], 0, tmp_path, trainer.Processes(), log=print)
+    with torch.no_grad():  # moved away from where it started
+        for weight in fitted.parameters:
+            weight.add_(torch.randn_like(weight) * 0.1)
+    penalty = sum(0.5 * 0.25 * (w - a).pow(2).sum() for w, a in zip(fitted.parameters, fitted.anchors,
+                                                                    strict=True))
+    expected = torch.autograd.grad(penalty, fitted.parameters)
+    for weight in fitted.parameters:
+        weight.grad = torch.zeros_like(weight)
+    fitted.add_l2sp_gradient()
+    for weight, want, anchor in zip(fitted.parameters, expected, fitted.anchors, strict=True):
+        torch.testing.assert_close(weight.grad, want)
+        torch.testing.assert_close(weight.grad, 0.25 * (weight.detach() - anchor))
+    assert fitted.l2sp_penalty() == pytest.approx(float(penalty), rel=1e-6)
+
+
+def test_l2sp_zero_trains_bit_for_bit_as_without_it_and_a_penalty_changes_the_weights(data_folder, tmp_path):
+    def trained(**overrides):
+        params = tiny_params(data_folder, steps=6, dtype="fp32", **overrides)
+        training = synthetic_data(data_folder)
+        drafter, _ = arms.init_drafter("scratch", params["train"], training, seed=0)
+        out = tmp_path / f"l2sp-{overrides.get('l2sp', 'absent')}"
+        out.mkdir()
+        fitted = trainer.Trainer(drafter, training, params["train"], 0, out, trainer.Processes(), log=print)
+        fitted.fit()
+        return fitted.drafter.state_dict()
+
+    plain, zero, pulled = trained(), trained(l2sp=0.0), trained(l2sp=10.0)
+    assert all(torch.equal(plain[k], zero[k]) for k in plain)
+    assert not all(torch.equal(plain[k], pulled[k]) for k in plain)

@@ -74,17 +74,27 @@ def is_prompt_file(corpus: str) -> bool:
         return False
     if not path.is_file() or not path.name.removesuffix(".gz").endswith(".jsonl"):
         return False
-    first = next((line for line in _lines(path) if line.strip()), "{}")
+    number, first = next(((n, line) for n, line in enumerate(_lines(path), 1) if line.strip()), (0, "{}"))
     try:
-        return bool(set(json.loads(first)) & set(PROMPT_KEYS))
-    except (json.JSONDecodeError, TypeError):
-        return False
+        record = json.loads(first)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{number}: not JSON ({err.msg} at column {err.colno}): neither a prompt "
+                        "file nor conversations") from err
+    return isinstance(record, dict) and bool(set(record) & set(PROMPT_KEYS))
 
 
 def _lines(path: Path) -> list[str]:
+    """A JSON lines file's lines (gunzipped for .gz), split at newlines only: JSON strings may hold U+2028
+    and other characters splitlines() breaks at. Failures name the file."""
     raw = path.read_bytes()
-    # split at newlines only: JSON strings may hold U+2028 and other characters splitlines() breaks at
-    return (gzip.decompress(raw) if path.name.endswith(".gz") else raw).decode("utf-8").split("\n")
+    try:
+        data = gzip.decompress(raw) if path.name.endswith(".gz") else raw
+    except (OSError, EOFError) as err:
+        raise DataError(f"{path}: not a readable gzip file ({err})") from err
+    try:
+        return data.decode("utf-8").split("\n")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason})") from err
 
 
 def prompt_file_questions(path: Path) -> list[Question]:

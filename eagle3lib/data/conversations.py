@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3lib.data.layout import DataError
+from eagle3lib.files import check_recorded_hash
 
 # Every role seen in the real ShareGPT files, and OpenAI's, mapped to the three a chat template knows.
 ROLES = {
@@ -83,6 +84,22 @@ class ReadStats:
 
 
 # ---------------------------------------------------------------- files
+
+
+def manifest_path(file: Path) -> Path:
+    """The manifest beside a regenerated conversation file: `<stem>.manifest.json`."""
+    stem = file.name.removesuffix(".gz").removesuffix(".jsonl")
+    return file.with_name(f"{stem}.manifest.json")
+
+
+def check_shipped(file: Path) -> None:
+    """A conversation file with a finished manifest beside it (a regenerated dataset, e.g. under datasets/)
+    must still be what the manifest's hash says."""
+    manifest = manifest_path(file)
+    if manifest.is_file():
+        recorded = json.loads(manifest.read_text())
+        if recorded.get("complete") and recorded.get("sha256"):
+            check_recorded_hash(file, recorded["sha256"], manifest, ConversationError)
 
 
 def conversation_files(path: str | Path) -> list[Path]:
@@ -182,6 +199,7 @@ def read_conversations(
     """The usable conversations of a file or folder, in file order; `stats` counts what was skipped."""
     stats = stats if stats is not None else ReadStats()
     for file in conversation_files(path):
+        check_shipped(file)
         for record, where in records(file, allow_truncated, stats.notes):
             stats.read += 1
             conversation, skipped = parse_record(record, where, stats.dropped_turns)

@@ -185,8 +185,9 @@ def opening(text: str, max_chars: int) -> str:
 
 
 def corpus_description(corpus: str) -> dict:
-    """Provenance for manifests: which Python's files the corpus came from."""
-    return {"corpus": corpus, "python": sys.version.split()[0], "stdlib": str(_stdlib_dir())}
+    """Provenance for manifests: which Python's standard library the corpus came from (its version: the same
+    on every machine, unlike the folder it is installed in)."""
+    return {"corpus": corpus, "python": sys.version.split()[0]}
 
 
 # ---------------------------------------------------------------- datasets in wheels

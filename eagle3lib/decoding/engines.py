@@ -298,8 +298,9 @@ def vllm_probe(
     python = Path(python or VLLM_PYTHON)
     if not python.is_file():
         raise FileNotFoundError(f"no vLLM venv at {python}: {VLLM_SETUP_HINT}")
-    work = Path(work_dir or tempfile.mkdtemp(prefix="eagle3-vllm-"))
-    work.mkdir(parents=True, exist_ok=True)
+    from eagle3lib.files import make_folder
+
+    work = make_folder(Path(work_dir or tempfile.mkdtemp(prefix="eagle3-vllm-")))
     served, notes = Path(drafter), []
     if convert_sglang:
         served, notes = vllm_ready_drafter(drafter, layout, config, work)

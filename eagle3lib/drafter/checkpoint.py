@@ -53,6 +53,7 @@ from eagle3lib.drafter.model import Eagle3Drafter
 from eagle3lib.drafter.vocab import VocabMap
 from eagle3lib.files import (
     atomic_write_text,
+    check_recorded_hash,
     describe_occupant,
     load_weights_only,
     read_safetensors,
@@ -61,6 +62,8 @@ from eagle3lib.files import (
 )
 
 VOCAB_MAP_KEYS = ("d2t", "t2d")
+# a published drafter's record (reports.publish writes it): the SHA-256 of its weights, checked on every load
+PROVENANCE = "provenance.json"
 # Where a training_state.pt keeps the drafter's weights: SpecForge 0.2's CheckpointManager, then older forms.
 TRAINING_STATE_WEIGHT_KEYS = ("draft_state_dict", "model", "model_state_dict", "state_dict", "draft_model")
 SPECULATORS_PREFIX, SGLANG_PREFIX = "layers.0.", "midlayer."
@@ -148,9 +151,16 @@ def detect_layout(path: str | os.PathLike) -> str:
     return read_config(_folder(Path(path)))[1]
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
 def _folder(path: Path) -> Path:
+    """The checkpoint folder of `path`: itself, or the folder of a weight file given alone."""
     if not path.exists():
         raise FileNotFoundError(f"no drafter checkpoint at {path}")
+    if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES):
+        raise CheckpointError(f"{path} is a file, not a drafter checkpoint: give its folder, or one of its "
+                              f"weight files ({', '.join(WEIGHT_FILES)})")
     return path if path.is_dir() else path.parent
 
 
@@ -346,6 +356,14 @@ def config_source(folder: Path, config: str | os.PathLike | None) -> tuple[Path,
     )
 
 
+def check_published(folder: Path) -> None:
+    """A published drafter (a `provenance.json` beside its weights) must still hold the weights it records."""
+    record_file = folder / PROVENANCE
+    if record_file.is_file():
+        for name, recorded in json.loads(record_file.read_text()).get("sha256", {}).items():
+            check_recorded_hash(folder / name, recorded, record_file, CheckpointError)
+
+
 def load_drafter(
     path: str | os.PathLike,
     *,
@@ -365,6 +383,7 @@ def load_drafter(
     config, layout, notes = read_config(config_path)
     notes = config_notes + notes
     weights_file, source_notes = _weight_sources(path)
+    check_published(folder)
     tensors, files, read_notes = read_tensors(weights_file)
     if weights_file.name != "training_state.pt" and (folder / "training_state.pt").is_file():
         try:  # only described: the weights come from the file above

@@ -339,19 +339,29 @@ def _number(raw: dict, key: str, where: str, kind: type = int, default: Any = _R
         if default is _REQUIRED:
             raise ConfigError(f"{where}: required key '{key}' is missing")
         return default
+    if kind is int:
+        return _whole(value, key, where)
     try:
         return kind(value)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{where}: {key} must be a number, got {value!r}") from err
 
 
+def _whole(value: Any, key: str, where: str) -> int:
+    """A size or an id: an integer as JSON writes one (64, or 64.0), never a fraction silently cut."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise ConfigError(f"{where}: {key} must be a whole number, got {value!r}")
+    return int(value)
+
+
 def _layer_ids(raw: dict, key: str, where: str) -> list[int] | None:
     """The aux layer ids under `key` (None when absent), naming the file and key unless they are integers."""
     ids = raw.get(key)
-    try:
-        return None if ids is None else [int(i) for i in ids]
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"{where}: {key} must be a list of integers, got {ids!r}") from err
+    if ids is None:
+        return None
+    if not isinstance(ids, list):
+        raise ConfigError(f"{where}: {key} must be a list of integers, got {ids!r}")
+    return [_whole(i, key, where) for i in ids]
 
 
 def _refuse_biases(raw: dict, where: str) -> None:

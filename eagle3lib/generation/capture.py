@@ -40,7 +40,7 @@ from eagle3lib.data.sources import (
     self_distilled_samples,
 )
 from eagle3lib.drafter.vocab import VocabMap
-from eagle3lib.files import save_safetensors, shareable_tree, staging_path
+from eagle3lib.files import make_folder, save_safetensors, shareable_tree, staging_path
 from eagle3lib.generation.regenerate import make_engine, regenerate, settings_from_data, source_description
 from eagle3lib.params import check_positive
 from eagle3lib.progress import progress as progress_bar
@@ -340,7 +340,7 @@ def regenerate_for_training(target, data: dict, seed: int, conversations, render
     out = Path(work_dir) / REGENERATED_FILE
     settings = settings_from_data(data, seed)
     path, _ = conversation_source(data["corpus"])
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(out.parent)
     with make_engine(settings, target, renderer, out.parent) as engine:
         regenerate(conversations, out, engine, renderer, settings,
                    source=source_description(path, data["corpus"]), target=target.describe(),

@@ -12,6 +12,12 @@ same source, target and settings continues with the next unanswered conversation
 ones untouched; only a finished file gets its final name (gzipped when that ends in `.gz`). The manifest
 beside it (`<stem>.manifest.json`) records the source file's hash, the target's fingerprint, the settings
 and what was written and skipped.
+
+The manifest is the commit point: it counts the records written (`lines`), and a rerun cuts the partial file
+back to that count (a chunk written before a kill but not yet counted is regenerated). A finished file's
+manifest is written, complete with the file's hash, before the file is renamed into place, so that a kill
+between the two is finished by the rerun. One process at a time writes an output (a lock beside it); nothing
+is written before the first chunk is answered.
 """
 
 from __future__ import annotations
@@ -30,9 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle3lib.data.conversations import ChatRenderer, Conversation, ConversationError
+from eagle3lib.data.conversations import ChatRenderer, Conversation, ConversationError, manifest_path
 from eagle3lib.data.layout import DataError
-from eagle3lib.files import atomic_write_text, file_sha256
+from eagle3lib.files import atomic_write_text, file_sha256, held
 from eagle3lib.progress import progress
 from eagle3lib.runs import git_commit
 
@@ -242,33 +248,44 @@ class TargetFacts:
 # ---------------------------------------------------------------- the file
 
 
-def manifest_path(out: Path) -> Path:
-    stem = out.name.removesuffix(".gz").removesuffix(".jsonl")
-    return out.with_name(f"{stem}.manifest.json")
-
-
 def partial_path(out: Path) -> Path:
     return out.with_name(out.name.removesuffix(".gz") + ".partial")
 
 
-def read_partial(path: Path) -> list[str]:
-    """The ids written so far; a torn last line (a kill mid-write) is cut off, and said so."""
+def staged_path(out: Path) -> Path:
+    """The finished file before it is renamed into place."""
+    return out.with_name(f".{out.name}.tmp")
+
+
+def output_lock(out: Path):
+    """Hold `out` for the block: a second regeneration into it is refused before it touches anything."""
+    return held(out.with_name(f".{out.name}.lock"), lambda holder: RegenerationError(
+        f"{out} is being written by another regeneration ({holder}); let it end, or write elsewhere"))
+
+
+def read_partial(path: Path, lines: int) -> list[str]:
+    """The ids of the first `lines` records written, the partial file cut back to them: a torn last line (a
+    kill mid-write) and records a kill left uncounted by the manifest are dropped, and said so."""
     if not path.exists():
         return []
     raw = path.read_bytes()
-    lines = raw.split(b"\n")
-    complete, torn = lines[:-1], lines[-1]
+    records = raw.split(b"\n")[:-1]
+    if len(records) < lines:
+        raise RegenerationError(f"{path} holds {len(records)} records, its manifest counts {lines}: the "
+                                "partial file is damaged; move it and its manifest away to start again")
     ids = []
-    for number, line in enumerate(complete, 1):
+    for number, line in enumerate(records[:lines], 1):
         try:
             ids.append(json.loads(line)["id"])
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise RegenerationError(f"{path}:{number}: not a regenerated record ({err}); the partial file is "
                                     "damaged: move it away to start again") from err
-    if torn:
-        print(f"[regenerate] {path}: dropping a torn last line of {len(torn)} bytes (an interrupted write)")
+    kept = sum(len(line) + 1 for line in records[:lines])
+    if kept < len(raw):
+        print(f"[regenerate] {path}: dropping {len(records) - lines} record(s) written after the manifest's "
+              f"last count, {len(raw) - kept} bytes in all (an interrupted run): they are regenerated")
         with open(path, "r+b") as handle:
-            handle.truncate(len(raw) - len(torn))
+            handle.truncate(kept)
     return ids
 
 
@@ -302,30 +319,37 @@ def regenerate(
     out = Path(out)
     if not out.name.endswith((".jsonl", ".jsonl.gz")):
         raise RegenerationError(f"{out}: a regenerated file is JSON lines: name it .jsonl or .jsonl.gz")
-    partial, manifest_file = partial_path(out), manifest_path(out)
+    for name, value, low in (("limit", limit, 1), ("chunk", chunk, 1), ("max_seconds", max_seconds, 0)):
+        if value is not None and not value >= low:
+            raise RegenerationError(f"{name} must be at least {low}, got {value}")
     identity = {"format": FORMAT, "source": source, "target": target, "settings": asdict(settings)}
-    if out.exists():
-        return _complete(out, manifest_file, {**identity, "limit": limit, "enough_tokens": enough_tokens})
-    done_ids = _resume_check(partial, manifest_file, identity)
-    counts = json.loads(manifest_file.read_text())["counts"] if done_ids else {
-        "conversations": 0, "replies": 0, "reply_tokens": 0, "replies_cut_at_max_new_tokens": 0,
-        "template_tokens": 0, "skipped": {}, "turns_not_answered": {}, "seconds": 0.0}
+    with output_lock(out):
+        finished = _finished(out, {**identity, "limit": limit, "enough_tokens": enough_tokens})
+        if finished:
+            return finished
+        return _regenerate(conversations, out, engine, renderer, settings, identity, limit=limit,
+                           enough_tokens=enough_tokens, seq_len=seq_len,
+                           chunk=chunk or 4 * settings.batch_size, deadline=deadline, command=command)
+
+
+def _regenerate(conversations, out: Path, engine, renderer: ChatRenderer, settings: RegenerationSettings,
+                identity: dict, *, limit, enough_tokens, seq_len, chunk, deadline, command) -> dict:
+    partial, manifest_file = partial_path(out), manifest_path(out)
+    done_ids, counts = _resume(partial, manifest_file, identity)
     manifest = {**identity, "limit": limit, "enough_tokens": enough_tokens, "command": command,
-                "commit": git_commit(), "complete": False, "counts": counts}
+                "commit": git_commit(), "complete": False, "lines": len(done_ids), "counts": counts}
     skipped, unanswered = Counter(counts["skipped"]), Counter(counts["turns_not_answered"])
-    chunk = chunk or 4 * settings.batch_size
     stream = _after(iter(conversations), done_ids)
     unit, done = ("conv", len(done_ids)) if limit else ("tok", counts["template_tokens"])
     bar = progress(total=limit or enough_tokens, desc=f"regenerate → {out.name}", unit=unit, initial=done)
-    atomic_write_text(manifest_file, json.dumps(manifest, indent=2) + "\n")  # before the partial file exists
-    with open(partial, "ab") as handle:
-        while not _enough(counts, limit, enough_tokens) and time.perf_counter() < deadline:
-            wanted = chunk if limit is None else min(chunk, limit - counts["conversations"])
-            batch = [c for _, c in zip(range(wanted), stream, strict=False)]
-            if not batch:
-                break
-            started = time.perf_counter()
-            answered = _regenerate_chunk(batch, engine, renderer, settings, counts, unanswered, seq_len)
+    while not _enough(counts, limit, enough_tokens) and time.perf_counter() < deadline:
+        wanted = chunk if limit is None else min(chunk, limit - counts["conversations"])
+        batch = [c for _, c in zip(range(wanted), stream, strict=False)]
+        if not batch:
+            break
+        started = time.perf_counter()
+        answered = list(_regenerate_chunk(batch, engine, renderer, settings, counts, unanswered, seq_len))
+        with open(partial, "ab") as handle:  # made at the first chunk answered, not before
             for record, reason, tokens in answered:
                 if reason:
                     skipped[reason] += 1
@@ -336,14 +360,17 @@ def regenerate(
                 bar.update(1 if limit else tokens)
             handle.flush()
             os.fsync(handle.fileno())
-            counts["seconds"] += time.perf_counter() - started
-            counts |= {"skipped": dict(skipped), "turns_not_answered": dict(unanswered)}
-            atomic_write_text(manifest_file, json.dumps(manifest, indent=2) + "\n")
+        counts["seconds"] += time.perf_counter() - started
+        counts |= {"skipped": dict(skipped), "turns_not_answered": dict(unanswered)}
+        manifest["lines"] = counts["conversations"]
+        atomic_write_text(manifest_file, json.dumps(manifest, indent=2) + "\n")  # the chunk's commit
     bar.close()
     counts["reply_tokens_per_s"] = counts["reply_tokens"] / max(counts["seconds"], 1e-9)
-    _finalize(partial, out)
-    manifest |= {"complete": True, "sha256": file_sha256(out), "bytes": out.stat().st_size}
+    staged = _stage_final(partial, out)
+    manifest |= {"complete": True, "sha256": file_sha256(staged), "bytes": staged.stat().st_size}
     atomic_write_text(manifest_file, json.dumps(manifest, indent=2) + "\n")
+    os.replace(staged, out)
+    partial.unlink(missing_ok=True)
     return manifest
 
 
@@ -352,32 +379,50 @@ def _enough(counts: dict, limit: int | None, enough_tokens: int | None) -> bool:
         enough_tokens is not None and counts["template_tokens"] >= enough_tokens)
 
 
-def _complete(out: Path, manifest_file: Path, wanted: dict) -> dict:
-    """The manifest of a finished regeneration, if it was made with `wanted`'s inputs, settings and size."""
+def _finished(out: Path, wanted: dict) -> dict | None:
+    """The manifest of a regeneration finished with `wanted`'s inputs, settings and size, if there is one:
+    the file in place, or staged with the hash its complete manifest records (a kill before the rename:
+    renamed now). None when there is nothing finished to return."""
+    manifest_file, staged = manifest_path(out), staged_path(out)
     manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {}
+    if not out.exists() and not (manifest.get("complete") and staged.exists()):
+        return None
     changed = [f"{key}: {manifest.get(key)!r} -> {value!r}" for key, value in wanted.items()
                if manifest.get(key) != value]
     if not manifest.get("complete") or changed:
         why = "; ".join(changed) or "no complete manifest"
         raise RegenerationError(f"{out} exists and was made otherwise ({why}); remove it or write elsewhere")
+    if not out.exists():
+        found = file_sha256(staged)
+        if found != manifest["sha256"]:
+            raise RegenerationError(f"{staged}: the finished file staged before a kill has SHA-256 {found}, "
+                                    f"its manifest {manifest['sha256']}: remove both and regenerate")
+        os.replace(staged, out)
+    partial_path(out).unlink(missing_ok=True)
     return manifest
 
 
-def _resume_check(partial: Path, manifest_file: Path, identity: dict) -> list[str]:
-    """The ids already written, after checking that the earlier run used this source, target and settings
-    (a new limit or token budget may differ)."""
-    if not partial.exists():
-        return []
-    if not manifest_file.exists():
-        raise RegenerationError(f"{partial} has no manifest ({manifest_file}) beside it: cannot tell what "
-                                "made it; move it away to start again")
-    earlier = json.loads(manifest_file.read_text())
+EMPTY_COUNTS = {"conversations": 0, "replies": 0, "reply_tokens": 0, "replies_cut_at_max_new_tokens": 0,
+                "template_tokens": 0, "skipped": {}, "turns_not_answered": {}, "seconds": 0.0}
+
+
+def _resume(partial: Path, manifest_file: Path, identity: dict) -> tuple[list[str], dict]:
+    """(the ids already written, the counts so far), after checking that the earlier run used this source,
+    target and settings (a new limit or token budget may differ). A run that wrote nothing leaves nothing to
+    continue: it starts afresh whatever it was."""
+    earlier = json.loads(manifest_file.read_text()) if manifest_file.exists() else None
+    if not partial.exists() or not earlier or not earlier.get("lines"):
+        if partial.exists() and not earlier:
+            raise RegenerationError(f"{partial} has no manifest ({manifest_file}) beside it: cannot tell "
+                                    "what made it; move it away to start again")
+        partial.unlink(missing_ok=True)
+        return [], json.loads(json.dumps(EMPTY_COUNTS))
     changed = [f"{key}: {earlier.get(key)!r} -> {value!r}" for key, value in identity.items()
                if earlier.get(key) != value]
     if changed:
         raise RegenerationError(f"{partial} was made with other inputs or settings ({'; '.join(changed)}); "
                                 "put them back to continue it, or write to another file")
-    return read_partial(partial)
+    return read_partial(partial, earlier["lines"]), earlier["counts"]
 
 
 def _after(stream: Iterator[Conversation], done_ids: list[str]) -> Iterator[Conversation]:
@@ -438,21 +483,22 @@ def reply_seed(seed: int, conversation_id: str, turn: int) -> int:
     return int(hashlib.sha256(f"{seed}:{conversation_id}:{turn}".encode()).hexdigest()[:8], 16)
 
 
-def _finalize(partial: Path, out: Path) -> None:
-    """The finished partial file under its final name, gzipped when that ends in .gz (written, renamed)."""
+def _stage_final(partial: Path, out: Path) -> Path:
+    """The finished partial file beside its final name (gzipped when that ends in .gz), not yet renamed."""
+    staged = staged_path(out)
     if not partial.exists():
         partial.touch()
     if out.name.endswith(".gz"):
-        staged = out.with_name(f".{out.name}.tmp")
         with open(partial, "rb") as source, gzip.open(staged, "wb", compresslevel=9) as target:
             shutil.copyfileobj(source, target)
-        os.replace(staged, out)
-        partial.unlink()
     else:
-        os.replace(partial, out)
+        shutil.copyfile(partial, staged)
+    return staged
 
 
 def source_description(path: Path, corpus: str) -> dict:
+    """What a regeneration read, the same on every machine: the corpus as named (`sharegpt`, or the path as
+    given), its file's name, SHA-256 and size; never a machine's own folder."""
     if not path.is_file():
         raise ConversationError(f"{path}: regeneration reads one conversation file, not a folder")
-    return {"corpus": corpus, "path": str(path), "sha256": file_sha256(path), "bytes": path.stat().st_size}
+    return {"corpus": corpus, "file": path.name, "sha256": file_sha256(path), "bytes": path.stat().st_size}

@@ -6,6 +6,7 @@ into their step folder), and returns the matplotlib Figure (Jupyter displays it)
 
 from __future__ import annotations
 
+import math
 import os
 
 import matplotlib.pyplot as plt
@@ -389,7 +390,8 @@ def ttt_step_curves(
         x = [m["step"] for m in metrics[arm]]
         top, bottom = axes[0, column], axes[1, column]
         for k in range(steps):
-            top.plot(x, [m[f"loss_{k}"] for m in metrics[arm]], color=colors[k], label=f"step {k}")
+            losses = [math.nan if m[f"loss_{k}"] is None else m[f"loss_{k}"] for m in metrics[arm]]
+            top.plot(x, losses, color=colors[k], label=f"step {k}")  # a window without loss tokens: a gap
             bottom.plot(x, [m[f"acc_{k}"] for m in metrics[arm]], color=colors[k], label=f"step {k}")
         top.set_title(arm, fontsize=10)
         top.set_yscale("log")
@@ -411,7 +413,7 @@ def finetune_arms(
     for arm, curve in metrics.items():
         x = [m["step"] for m in curve]
         for axis, key in zip(axes, ("loss_0", "acc_0", "tau"), strict=True):
-            axis.plot(x, [m[key] for m in curve], label=arm)
+            axis.plot(x, [math.nan if m[key] is None else m[key] for m in curve], label=arm)
     axes[0].axhline(chance_loss, color="crimson", linestyle="--", linewidth=1, label="ln(Vd): uniform guess")
     axes[0].set_ylabel("cross-entropy, TTT step 0")
     axes[1].set_ylabel("acc_0")

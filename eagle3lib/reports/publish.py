@@ -15,10 +15,9 @@ import torch
 import yaml
 
 from eagle3lib import files, runs
-from eagle3lib.drafter.checkpoint import load_drafter, save_drafter
+from eagle3lib.drafter.checkpoint import PROVENANCE, check_published, load_drafter, save_drafter
 from eagle3lib.reports import plots
 
-PROVENANCE = "provenance.json"
 WEIGHTS = "model.safetensors"
 DEMO_SOURCE_DRAFTER = files.REPO_ROOT / "drafters" / "smollm2-135m-chat"  # params/demo.yaml's source drafter
 
@@ -79,14 +78,8 @@ def training_commit(metrics: dict) -> str:
 def verify(folder: Path) -> dict:
     """The provenance of a published drafter, after checking its weights against the recorded hash."""
     folder = Path(folder)
-    record = json.loads((folder / PROVENANCE).read_text())
-    found = files.file_sha256(folder / WEIGHTS)
-    if found != record["sha256"][WEIGHTS]:
-        raise PublishError(
-            f"{folder / WEIGHTS}: SHA-256 {found} is not the {record['sha256'][WEIGHTS]} recorded in "
-            f"{folder / PROVENANCE}: the weights changed since they were published"
-        )
-    return record
+    check_published(folder)
+    return json.loads((folder / PROVENANCE).read_text())
 
 
 def measured_metrics(record: dict) -> dict[str, dict]:

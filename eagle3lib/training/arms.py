@@ -57,6 +57,10 @@ class CheckResult:
 
 def diagnose(metrics: dict, baseline_acc: float, vd: int, warm_start: bool) -> CheckResult:
     loss_0, acc_0, ln_vd = metrics["loss_0"], metrics["acc_0"], chance_loss(vd)
+    if loss_0 is None:
+        message = (f"step-0 check: the check batches hold no loss token (no target in the draft vocabulary "
+                   f"of {vd}): nothing to judge; check the vocab map against the data")
+        return CheckResult(math.nan, acc_0, ln_vd, baseline_acc, metrics, warm_start, not warm_start, message)
     failures = []
     if not math.isfinite(loss_0) or loss_0 >= ln_vd:
         failures.append(f"loss_0 {loss_0:.3f} >= ln(Vd) = ln({vd}) = {ln_vd:.3f}")

@@ -164,7 +164,8 @@ def weighted_loss(ce: Tensor, ce_rows_total: Tensor, weights: Tensor) -> Tensor:
 
 
 def summarize(sums: Tensor, weights: Tensor) -> dict[str, float]:
-    """Metrics from accumulated `StepSums.detached()` sums [5, K]: loss, loss_k, acc_k, full_acc_k, tau.
+    """Metrics from accumulated `StepSums.detached()` sums [5, K]: loss, loss_k, acc_k, full_acc_k, tau. A
+    loss with no row in it is None (with a `note`), never 0.0.
 
     tau = 1 + Σ_k full_acc_k, the mean acceptance length these accuracies predict for chain drafting
     with K steps (each full_acc_k estimates P(at least k+1 drafts accepted)).
@@ -173,9 +174,12 @@ def summarize(sums: Tensor, weights: Tensor) -> dict[str, float]:
     loss_k = ce / ce_rows.clamp(min=1)
     acc_k = correct / rows.clamp(min=1)
     full_acc_k = full_correct / rows.clamp(min=1)
-    out = {"loss": float((loss_k * weights.double()).sum())}
+    # no row in the cross-entropy (no target in the draft vocab): no loss; 0.0 would read as a perfect step
+    out = {"loss": float((loss_k * weights.double()).sum()) if ce_rows.sum() else None}
+    if not ce_rows.sum():
+        out["note"] = "no loss tokens: no target of these rows is in the draft vocabulary"
     for k in range(sums.shape[1]):
-        out[f"loss_{k}"] = float(loss_k[k])
+        out[f"loss_{k}"] = float(loss_k[k]) if ce_rows[k] else None
         out[f"acc_{k}"] = float(acc_k[k])
         out[f"full_acc_{k}"] = float(full_acc_k[k])
     out["tau"] = 1.0 + float(full_acc_k.sum())

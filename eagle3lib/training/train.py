@@ -24,6 +24,7 @@ Command line (torchrun-able; gloo on CPU, nccl on GPU):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -216,13 +217,28 @@ def train_arm(arm: str, params: dict, out: Path, data: TrainingData, procs: Proc
     measures it along the way when `train.validation_prompts` asks for it."""
     train, seed = {**params["train"], "l2sp": arm_l2sp(arm, params["train"])}, params["run"]["seed"]
     folder = Path(out) / arm
-    if (folder / "summary.json").exists():
-        if resume:
-            return ArmResult.read(folder)
-        raise runs.RunExistsError(f"{folder} already holds a finished arm; use another output folder")
-    if folder.exists() and any(folder.iterdir()) and not resume:
-        raise runs.RunExistsError(f"{folder} already holds a run; pass --resume to continue it")
-    procs.barrier()  # every rank has looked before rank 0 writes
+    with arm_lock(folder, procs):
+        if (folder / "summary.json").exists():
+            if resume:
+                return ArmResult.read(folder)
+            raise runs.RunExistsError(f"{folder} already holds a finished arm; use another output folder")
+        if folder.exists() and any(folder.iterdir()) and not resume:
+            raise runs.RunExistsError(f"{folder} already holds a run; pass --resume to continue it")
+        procs.barrier()  # every rank has looked before rank 0 writes
+        return _train_arm(arm, params, train, seed, folder, data, procs, resume, validation)
+
+
+def arm_lock(folder: Path, procs: Processes):
+    """Hold an arm for its training: a second process training or resuming the same arm is refused before
+    it writes (the lock, `.<arm>.lock` beside the arm's folder, is the main process's)."""
+    if not procs.main:
+        return contextlib.nullcontext()
+    return files.held(folder.parent / f".{folder.name}.lock", lambda holder: runs.RunExistsError(
+        f"{folder} is being trained by another process ({holder}); let it end before resuming it"))
+
+
+def _train_arm(arm: str, params: dict, train: dict, seed: int, folder: Path, data: TrainingData,
+               procs: Processes, resume: bool, validation: Validation | None) -> ArmResult:
     files.make_folder(folder)
     log = _logger(folder / "log.txt", procs)
     start = time.perf_counter()
@@ -321,8 +337,7 @@ def train_arms(
     """Train every arm in `train.arms` into `out/<arm>/`: in this process, or under torchrun when
     `train.nproc` > 1 (the launched job's log is followed here)."""
     train = params["train"]
-    check_settings(train)
-    check_validation(params)
+    check_recipe(params)
     out = Path(out)
     if train["nproc"] > 1:
         if train["data_mode"] == "online":  # the text first, in one process (self-distillation is long)
@@ -334,6 +349,21 @@ def train_arms(
     validation = validation_of(params, data, out, procs)
     return {arm: train_arm(arm, params, out, data, procs, resume=resume, validation=validation)
             for arm in train["arms"]}
+
+
+def check_recipe(params: dict) -> None:
+    """Everything about a training recipe that can be refused before anything is written or loaded: the
+    settings, the validation draws, and the files it names."""
+    train = params["train"]
+    check_settings(train)
+    check_validation(params)
+    named = {"train.data": train["data"], "train.vocab_map": train["vocab_map"],
+             "train.target_head": train["target_head"],
+             "train.drafter": train["drafter"] if set(train["arms"]) - {"scratch"} else ""}
+    missing = [f"{key} {value} does not exist" for key, value in named.items()
+               if value and not str(value).startswith("@") and not files.resolve_path(value).exists()]
+    if missing:
+        raise TrainingError("; ".join(missing))
 
 
 def validation_benchmarks(params: dict) -> list[Benchmark]:
@@ -429,7 +459,7 @@ def train_stand_in(params: dict, run_dir: Path, target_fingerprint: str, cache: 
     if cached.exists():
         return cached
     stand_in = {**params, "train": stand_in_settings(params, str(prepared_dir(run_dir, "source")))}
-    cached.parent.mkdir(parents=True, exist_ok=True)
+    files.make_folder(cached.parent)
     with tempfile.TemporaryDirectory(dir=cached.parent, prefix=".stand-in-") as work:
         result = train_arms(stand_in, Path(work) / "train", run_dir)["scratch"]
         staged = Path(work) / "drafter"
@@ -501,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     params, out, run_dir = recipe_for_training(args.params, args.param, args.out, args.run_dir)
     procs = Processes.start(params["run"]["device"])
     try:
-        check_settings(params["train"])
+        check_recipe(params)
         data = arms_data(params, out, run_dir, procs)
         validation = validation_of(params, data, out, procs)
         for arm in params["train"]["arms"]:

@@ -414,7 +414,8 @@ class Trainer:
                     last["l2sp_penalty"] = self.l2sp_penalty()
                 if procs.main:
                     files.append_line(metrics_path, json.dumps(last))
-                progress.set_postfix(loss=f"{last['loss']:.3f}", acc_0=f"{100 * last['acc_0']:.1f} %",
+                loss_text = "no loss tokens" if last["loss"] is None else f"{last['loss']:.3f}"
+                progress.set_postfix(loss=loss_text, acc_0=f"{100 * last['acc_0']:.1f} %",
                                      tau=f"{last['tau']:.2f}")
                 self.window.zero_()
                 self.window_tokens, self.window_positions, window_start = 0, 0, time.perf_counter()
