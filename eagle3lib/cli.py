@@ -55,6 +55,19 @@ def fraction(low: float, high: float, *, open_high: bool = False):
     return parse
 
 
+def template_switches(text: str) -> dict:
+    """An argparse type: a chat template's switches as a JSON object, e.g. '{"enable_thinking": true}'."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON ({err.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("params", help="a recipe under params/, e.g. params/demo.yaml")
     p.add_argument("--only", help="comma-separated notebook numbers, e.g. 00,04")
@@ -419,6 +432,11 @@ def _dataset_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=whole(2), default=2048, help="tokens per sample (longer ones are cut)")
     p.add_argument("--loss-turns", choices=["all", "last"], default="all",
                    help="every assistant turn in the loss, or only the last")
+    p.add_argument("--chat-template-kwargs", type=template_switches, default={}, metavar="JSON",
+                   help='the template\'s switches, e.g. \'{"enable_thinking": true}\'')
+    p.add_argument("--turns", choices=["auto", "per-turn"], default="auto",
+                   help="one sample a conversation where its template renders history as generated (auto), "
+                        "or one per trained turn")
     p.add_argument("--split", choices=["train", "heldout", "all"], default="train",
                    help="the conversations 00 trains on (train, as a hash of each id decides), the held-out "
                         "ones, or all")
@@ -439,7 +457,8 @@ def _dataset(args: argparse.Namespace) -> int:
     from eagle3lib.generation.regenerate import TargetFacts
 
     target = TargetFacts.read(args.target)
-    renderer = ChatRenderer(target.tokenizer, target.stop_token_ids, args.loss_turns)
+    renderer = ChatRenderer(target.tokenizer, target.stop_token_ids, args.loss_turns,
+                            args.chat_template_kwargs, args.turns)
     keep = args.json or args.show is not None
     limit = args.limit if args.show is None else max(args.limit or 0, args.show + 1)
     found = dataset_report(args.file, renderer, args.seq_len, args.heldout_fraction, args.split, limit, keep)
@@ -502,6 +521,11 @@ def _regenerate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", choices=["train", "heldout", "all"], default="train",
                    help="which conversations: the training split (default), the held-out one, or all")
     p.add_argument("--heldout-fraction", type=fraction(0, 1, open_high=True), default=0.1)
+    p.add_argument("--chat-template-kwargs", type=template_switches, default={}, metavar="JSON",
+                   help='the thinking mode: the template\'s switches, e.g. \'{"enable_thinking": true}\'')
+    p.add_argument("--reasoning", choices=["save", "drop", "inline"], default=defaults.reasoning,
+                   help="a reply's reasoning: saved apart in reasoning_content, as a serving stack's "
+                        "reasoning parser returns it (default), dropped, or left inline in the content")
 
 
 @command("regenerate", "replace every assistant turn of a conversation dataset by the target's own reply",
@@ -519,7 +543,8 @@ def _regenerate(args: argparse.Namespace) -> int:
     settings = regenerate.RegenerationSettings(
         engine=args.engine, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
         batch_size=args.batch_size, max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens,
-        dtype=args.dtype, url=args.url, model=args.model)
+        dtype=args.dtype, url=args.url, model=args.model, chat_template_kwargs=args.chat_template_kwargs,
+        reasoning=args.reasoning)
     settings.check()
     if args.engine == "server":  # a GPU host's model: its tokenizer and config, not its weights, here
         target = regenerate.TargetFacts.read(args.target)
@@ -528,7 +553,8 @@ def _regenerate(args: argparse.Namespace) -> int:
 
         target = Target.load(args.target, dtype=args.dtype if args.engine == "builtin" else "float32",
                              device="auto" if args.engine == "builtin" else "cpu")
-    renderer = ChatRenderer(target.tokenizer, target.stop_token_ids)
+    renderer = ChatRenderer(target.tokenizer, target.stop_token_ids,
+                            template_kwargs=args.chat_template_kwargs)
     split = {"split": args.split, "heldout_fraction": args.heldout_fraction}
     if corpora.corpus_kind(args.file) == "documents":  # a zoo text corpus: its documents as chat prompts
         if args.split == "all":

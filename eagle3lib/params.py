@@ -169,6 +169,9 @@ class RegenerateSection:
     dtype: str = setting("auto", "builtin: the target's own; vllm: auto = bfloat16")
     url: str = setting("", "server: e.g. http://127.0.0.1:30000 (SGLang or vLLM, OpenAI-compatible)")
     model: str = setting("", 'server: the model name it serves; "" = target.spec')
+    reasoning: str = setting(
+        "save", "a reply's reasoning: save (apart, as a reasoning parser returns it) | drop | inline"
+    )
 
 
 @dataclass
@@ -199,6 +202,20 @@ class DataSection:
     loss_turns: str = setting(
         "all",
         "conversations: every assistant turn in the loss | last (SpecForge's option)",
+        decides_text=True,
+        decides_stand_in=True,
+    )
+    chat_template_kwargs: dict = setting(
+        {},
+        "switches of the target's chat template for every rendering (training text, regeneration, probe and "
+        "05's prompts), e.g. {enable_thinking: true} (Qwen3) or {thinking: true} (DeepSeek-V3.1)",
+        decides_text=True,
+        decides_stand_in=True,
+    )
+    turns: str = setting(
+        "auto",
+        "conversations: auto (one sample a conversation where the template renders its history as it was "
+        "generated, one a turn where it rewrites it) | per-turn (always one sample per trained turn)",
         decides_text=True,
         decides_stand_in=True,
     )

@@ -83,7 +83,7 @@ def conversation(messages=CHAT, id_="c1") -> Conversation:
 @pytest.mark.parametrize("messages", [CHAT, CHAT[1:]], ids=["system prompt", "template's default system"])
 def test_smollm2_mask_is_exactly_the_assistant_turns(smollm2_tokenizer, messages):
     renderer = ChatRenderer(smollm2_tokenizer, [smollm2_tokenizer.eos_token_id])
-    rendered = renderer.render(conversation(messages), seq_len=4096)
+    rendered = renderer.samples(conversation(messages), seq_len=4096)[0]
     assistant = [m["content"] for m in messages if m["role"] == "assistant"]
     assert loss_spans(smollm2_tokenizer, rendered.input_ids, rendered.loss_mask) == [
         f"{content}<|im_end|>" for content in assistant
@@ -93,7 +93,7 @@ def test_smollm2_mask_is_exactly_the_assistant_turns(smollm2_tokenizer, messages
     assert smollm2_tokenizer.decode(rendered.input_ids) == text
     assert "You are a helpful AI assistant" in text or messages[0]["role"] == "system"
     last = ChatRenderer(smollm2_tokenizer, [smollm2_tokenizer.eos_token_id], loss_turns="last")
-    only_last = last.render(conversation(messages), seq_len=4096)
+    only_last = last.samples(conversation(messages), seq_len=4096)[0]
     assert only_last.input_ids == rendered.input_ids
     spans = loss_spans(smollm2_tokenizer, only_last.input_ids, only_last.loss_mask)
     assert spans == [f"{assistant[-1]}<|im_end|>"]
@@ -104,7 +104,7 @@ def test_llama3_style_mask_keeps_headers_out(llama3_tokenizer):
     renderer = ChatRenderer(llama3_tokenizer, [eot])
     # the template trims contents: the span is the trimmed content
     padded = [dict(m, content=f"  {m['content']}\n") if m["role"] == "assistant" else m for m in CHAT]
-    rendered = renderer.render(conversation(padded), seq_len=4096)
+    rendered = renderer.samples(conversation(padded), seq_len=4096)[0]
     spans = loss_spans(llama3_tokenizer, rendered.input_ids, rendered.loss_mask)
     assert spans == [f"{m['content']}<|eot_id|>" for m in CHAT if m["role"] == "assistant"]
     masked = [t for t, m in zip(rendered.input_ids, rendered.loss_mask, strict=True) if m]
@@ -116,11 +116,11 @@ def test_llama3_style_mask_keeps_headers_out(llama3_tokenizer):
 
 def test_long_conversations_are_cut_and_counted(smollm2_tokenizer):
     renderer = ChatRenderer(smollm2_tokenizer, [smollm2_tokenizer.eos_token_id])
-    whole = renderer.render(conversation(), seq_len=4096)
+    whole = renderer.samples(conversation(), seq_len=4096)[0]
     cut = Counter()
     samples = list(sources.conversation_samples(renderer, iter([conversation()]), 50, cut))
     assert samples[0].input_ids.tolist() == whole.input_ids[:50]
-    assert cut["conversations cut at seq_len"] == 1 and cut["tokens cut"] == len(whole.input_ids) - 50
+    assert cut["samples cut at seq_len"] == 1 and cut["tokens cut"] == len(whole.input_ids) - 50
     assert cut["loss tokens cut"] == sum(whole.loss_mask[50:])
     none_left = Counter()
     assert list(sources.conversation_samples(renderer, iter([conversation()]), 20, none_left)) == []
@@ -207,7 +207,7 @@ def test_both_forms_are_read_per_record_from_json_jsonl_gz_and_folders(tmp_path)
         (
             [OPENAI, {"messages": [{"role": "user", "content": ["a", "list"]}]}],
             None,
-            r"b.jsonl:2: messages\[0\].content: expected a string, got list",
+            r"b.jsonl:2: messages\[0\].content\[0\]: a content part must be an object with a .type.",
         ),
         (
             [{"conversation": []}],
@@ -326,7 +326,7 @@ def test_prepare_reads_conversations_and_reports_what_it_read(tmp_path, text):
     samples = list(reader.samples())
     if text == "conversation":
         assert found["loss_tokens"] == sum(int(s["loss_mask"].sum()) for s in samples)
-        by_text = {tuple(renderer.render(c, 64).input_ids): c.id for c in read_conversations(path)}
+        by_text = {tuple(renderer.samples(c, 64)[0].input_ids): c.id for c in read_conversations(path)}
         assert {by_text[tuple(s["input_ids"].tolist())] for s in samples} <= train_ids  # held-out never used
     else:
         regenerated = tmp_path / "run" / REGENERATED_DIR / "main" / "regenerated.jsonl"
@@ -464,7 +464,7 @@ def test_online_training_reads_conversations_as_00_does(tmp_path):
     text = read_safetensors(tmp_path / "04_finetune" / online.FOLDER / online.TEXT_FILE)
     renderer = ChatRenderer(target.tokenizer, target.stop_token_ids, loss_turns="last")
     train_ids = {c.id for c in corpora.split_conversations(str(path), "train", 0.2)}
-    rendered = {c.id: renderer.render(c, 64) for c in read_conversations(path) if c.id in train_ids}
+    rendered = {c.id: renderer.samples(c, 64)[0] for c in read_conversations(path) if c.id in train_ids}
     for ids, mask in zip(
         text["input_ids"].split(text["sample_lengths"].tolist()),
         text["loss_mask"].split(text["sample_lengths"].tolist()),

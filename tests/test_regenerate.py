@@ -305,3 +305,72 @@ def test_a_time_budget_finishes_the_file_with_what_was_written(tiny, tmp_path, m
         "a",
         "b",
     ]
+
+
+# ---------------------------------------------------------------- thinking targets
+
+
+QWEN3 = Path(__file__).parent / "fixtures" / "chat_templates" / "qwen3.jinja"
+
+
+@pytest.fixture
+def thinking(tiny, monkeypatch):
+    """The tiny target with Qwen3's real template and its markers, as a thinking target renders."""
+    tokenizer = tiny.tokenizer
+    saved = tokenizer.chat_template
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    tokenizer.chat_template = QWEN3.read_text()
+    yield tiny
+    tokenizer.chat_template = saved
+
+
+@pytest.mark.parametrize("mode, reasoning, content", [
+    ("save", "\nTwo and two.\n", "\n\n4"), ("drop", None, "\n\n4"),
+    ("inline", None, "<think>\nTwo and two.\n</think>\n\n4")])
+def test_a_replys_reasoning_is_saved_apart_dropped_or_left_inline(mode, reasoning, content):
+    emitted = regen.Reply("<think>\nTwo and two.\n</think>\n\n4", 12, True)
+    message = regen.assistant_message(emitted, mode)
+    assert message.get("reasoning_content") == reasoning and message["content"] == content
+    parsed = regen.Reply("4", 3, True, reasoning="Two and two.")  # a server's reasoning parser split it
+    assert regen.assistant_message(parsed, "save") == {"role": "assistant", "content": "4",
+                                                       "reasoning_content": "Two and two."}
+    assert regen.assistant_message(parsed, "inline")["content"] == "<think>Two and two.</think>4"
+
+
+def test_a_thinking_conversation_is_regenerated_and_trains_with_its_reasoning_in_the_loss(thinking, tmp_path,
+                                                                                        monkeypatch):
+    emitted = "<think>\nA colour is asked.\n</think>\n\nGreen."
+    monkeypatch.setattr(regen.BuiltinEngine, "replies",
+                        lambda self, requests: [regen.Reply(emitted, 9, True) for _ in requests])
+    renderer = ChatRenderer(thinking.tokenizer, thinking.stop_token_ids)
+    out = tmp_path / "out.jsonl"
+    manifest = run(thinking, out, source=SOURCE[:1])
+    assert manifest["settings"]["reasoning"] == "save" and manifest["settings"]["chat_template_kwargs"] == {}
+    written = next(read_conversations(out))
+    assert written.messages[2] == {"role": "assistant", "content": "\n\nGreen.",
+                                   "reasoning_content": "\nA colour is asked.\n"}
+    samples = renderer.samples(written, 4096)  # Qwen3 strips earlier reasoning from history: one per turn
+    assert [s.turn for s in samples] == [2, 4]
+    for sample in samples:
+        learnt = thinking.tokenizer.decode([t for t, m in zip(sample.input_ids, sample.loss_mask, strict=True)
+                                            if m])
+        assert learnt == emitted + "<|im_end|>"  # exactly what the model emitted, its end of turn too
+
+
+def test_an_unrenderable_conversation_is_counted_and_the_chunk_keeps_the_others_across_a_resume(
+        tiny, tmp_path, monkeypatch):
+    saved = tiny.tokenizer.chat_template
+    refusing = "{% for m in messages %}{% if m.content == 'Count to three.' %}{{ raise_exception('no') }}" \
+               "{% endif %}{% endfor %}" + saved
+    tiny.tokenizer.chat_template = refusing
+    try:
+        out = tmp_path / "out.jsonl"
+        dies_after(3, monkeypatch)  # a is answered (two calls) and committed; the chunk of b and c dies
+        with pytest.raises(KeyboardInterrupt):
+            run(tiny, out, chunk=1)
+        monkeypatch.undo()
+        manifest = run(tiny, out, chunk=2)  # resumed: b (refused by the template) and c in one chunk
+    finally:
+        tiny.tokenizer.chat_template = saved
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "c"]
+    assert manifest["counts"]["skipped"] == {"the chat template refuses it": 1}

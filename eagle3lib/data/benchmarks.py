@@ -172,13 +172,16 @@ def check_disjoint_draws(corpus: str, test_prompts: int, validation_prompts: int
         )
 
 
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def chat_ids(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """Messages as the target's chat input, in the recipe's thinking mode (`data.chat_template_kwargs`)."""
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            **(template_kwargs or {}))
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
 def prompt_ids(
-    tokenizer, found: list[Question], reply: Callable[[list[list[int]]], list[str]] | None = None
+    tokenizer, found: list[Question], reply: Callable[[list[list[int]]], list[str]] | None = None,
+    template_kwargs: dict | None = None,
 ) -> list[list[int]]:
     """Every turn of every question as the target's chat input, turn by turn: the first turns, then each
     later turn on the conversation so far with `reply`'s answers (the target's own) to the turn before."""
@@ -200,7 +203,7 @@ def prompt_ids(
                 histories[i].append({"role": "assistant", "content": text})
         for i in asked:
             histories[i].append({"role": "user", "content": found[i].turns[turn]})
-        prompts_of_turn = {i: chat_ids(tokenizer, histories[i]) for i in asked}
+        prompts_of_turn = {i: chat_ids(tokenizer, histories[i], template_kwargs) for i in asked}
         prompts += [prompts_of_turn[i] for i in asked]
     return prompts
 

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +18,15 @@ from itertools import islice
 import torch
 from torch import Tensor
 
-from eagle3lib.data.conversations import ChatRenderer, Conversation, ReadStats, read_conversations
+from eagle3lib.data.conversations import (
+    ChatRenderer,
+    Conversation,
+    ReadStats,
+    RenderError,
+    conversation_files,
+    manifest_path,
+    read_conversations,
+)
 from eagle3lib.data.corpora import (
     conversation_source,
     corpus_kind,
@@ -118,20 +127,52 @@ def check_text_kind(corpus: str, text: str, key: str = "data") -> None:
                         f"{corpus_kind(corpus)}: use {' or '.join(fitting)}")
 
 
-def conversation_samples(renderer: ChatRenderer, conversations: Iterator[Conversation], seq_len: int,
-                         cut: Counter) -> Iterator[Sample]:
-    """Rendered conversations, each cut to its first `seq_len` tokens; `cut` counts the conversations
-    cut, the tokens and loss tokens cut off, and those left with no loss token (skipped)."""
-    for conversation in conversations:
-        rendered = renderer.render(conversation, seq_len)
-        if rendered.cut_tokens:
-            cut["conversations cut at seq_len"] += 1
-            cut["tokens cut"] += rendered.cut_tokens
-            cut["loss tokens cut"] += rendered.cut_loss_tokens
-        if not any(rendered.loss_mask):
-            cut["skipped: no loss token within seq_len"] += 1
+def check_thinking_mode(corpus: str, template_kwargs: dict) -> None:
+    """Refuse training a regenerated dataset in another thinking mode than it was regenerated in: a drafter
+    trained on replies without reasoning, served with it (or the reverse), loses most of its τ."""
+    if corpus_kind(corpus) != "conversations":
+        return
+    path, _ = conversation_source(corpus)
+    for file in conversation_files(path):
+        manifest = manifest_path(file)
+        if not manifest.is_file():
             continue
-        yield Sample(torch.tensor(rendered.input_ids), torch.tensor(rendered.loss_mask), conversation.id)
+        made = json.loads(manifest.read_text()).get("settings", {}).get("chat_template_kwargs", {})
+        if made != dict(template_kwargs):
+            raise DataError(f"{file} was regenerated with chat_template_kwargs {made}, the recipe renders "
+                            f"with {dict(template_kwargs)} (data.chat_template_kwargs): train and serve in "
+                            "the mode the replies were made in, or regenerate them in this one")
+
+
+def renderer_for(target, data: dict) -> ChatRenderer:
+    """The chat template of `target` as the recipe's `data` section renders conversations."""
+    return ChatRenderer(target.tokenizer, target.stop_token_ids, data["loss_turns"],
+                        data["chat_template_kwargs"], data["turns"])
+
+
+def conversation_samples(renderer: ChatRenderer, conversations: Iterator[Conversation], seq_len: int,
+                         cut: Counter, stats: ReadStats | None = None) -> Iterator[Sample]:
+    """Rendered conversations (a conversation whose template rewrites history gives one sample per trained
+    turn), each cut to its first `seq_len` tokens; `cut` counts the samples cut, the tokens and loss tokens
+    cut off, and those left with no loss token (skipped); a conversation the template cannot render is
+    skipped and counted in `stats` by reason, with where it was first met."""
+    stats = stats if stats is not None else ReadStats()
+    for conversation in conversations:
+        try:
+            rendered = renderer.samples(conversation, seq_len)
+        except RenderError as err:
+            stats.skip(err.reason, f"{conversation.where} ({err})")
+            continue
+        for sample in rendered:
+            if sample.cut_tokens:
+                cut["samples cut at seq_len"] += 1
+                cut["tokens cut"] += sample.cut_tokens
+                cut["loss tokens cut"] += sample.cut_loss_tokens
+            if not any(sample.loss_mask):
+                cut["skipped: no loss token within seq_len"] += 1
+                continue
+            doc_id = conversation.id if sample.turn is None else f"{conversation.id}#{sample.turn}"
+            yield Sample(torch.tensor(sample.input_ids), torch.tensor(sample.loss_mask), doc_id)
 
 
 @dataclass
@@ -170,7 +211,7 @@ def dataset_report(corpus: str, renderer: ChatRenderer, seq_len: int, heldout_fr
                 yield conversation
 
     samples, count, tokens, loss_tokens = [], 0, 0, 0
-    for sample in islice(conversation_samples(renderer, chosen(), seq_len, cut), limit):
+    for sample in islice(conversation_samples(renderer, chosen(), seq_len, cut, stats), limit):
         count += 1
         tokens += len(sample.input_ids)
         loss_tokens += int(sample.loss_mask.sum())

@@ -41,7 +41,8 @@ class Validation:
     """A target, each benchmark's validation prompts and their target-only decoding: `measure` a drafter."""
 
     def __init__(self, target, benchmarks: list[Benchmark], num_prompts: int, max_new_tokens: int,
-                 settings: DraftSettings, batch_size: int, seed: int = 0, prompt_chars: int = 600):
+                 settings: DraftSettings, batch_size: int, seed: int = 0, prompt_chars: int = 600,
+                 template_kwargs: dict | None = None):
         from eagle3lib.decoding import engines, speculate
 
         self.target, self.settings, self.max_new_tokens = target, settings, max_new_tokens
@@ -49,7 +50,7 @@ class Validation:
         reply = engines.target_replies(target, max_new_tokens, batch_size)
         self.prompts = {
             b.name: engines.probe_prompts(target.tokenizer, b.corpus, num_prompts, prompt_chars, True, reply,
-                                          draw="validation")
+                                          draw="validation", template_kwargs=template_kwargs)
             for b in benchmarks
         }
         self.num_prompts = num_prompts

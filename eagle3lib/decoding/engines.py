@@ -91,11 +91,12 @@ def open_target(spec: str, backend: str, dtype: str = "auto", device: str = "aut
 
 
 def probe_prompts(tokenizer, corpus: str, num_prompts: int, prompt_chars: int, chat: bool, reply=None,
-                  draw: str = "test") -> list[list[int]]:
+                  draw: str = "test", template_kwargs: dict | None = None) -> list[list[int]]:
     """Token ids of a benchmark's prompts (`eagle3lib.data.benchmarks`: held-out documents or conversations,
     humaneval, a prompt file), as user turns of the target's chat template; `chat` False: text corpora's
     openings as they are. `reply` answers earlier turns of multi-turn questions (`target_replies`). `draw`:
-    the test questions 05 reports, or the disjoint validation ones training chooses its checkpoint on."""
+    the test questions 05 reports, or the disjoint validation ones training chooses its checkpoint on;
+    `template_kwargs`: the recipe's thinking mode (`data.chat_template_kwargs`)."""
     from eagle3lib.data import benchmarks
 
     if not chat:
@@ -103,7 +104,7 @@ def probe_prompts(tokenizer, corpus: str, num_prompts: int, prompt_chars: int, c
             raise ValueError("probe.chat false measures the test draw only")
         return benchmarks.plain_ids(tokenizer, corpus, num_prompts, prompt_chars)
     found = benchmarks.questions(corpus, num_prompts, prompt_chars, draw=draw)
-    return benchmarks.prompt_ids(tokenizer, found, reply)
+    return benchmarks.prompt_ids(tokenizer, found, reply, template_kwargs)
 
 
 def target_replies(target, max_new_tokens: int, batch_size: int):
@@ -114,7 +115,7 @@ def target_replies(target, max_new_tokens: int, batch_size: int):
 
     if not hasattr(target, "model"):
         return None
-    stop = target.tokenizer.eos_token_id
+    stop = target.stop_token_ids
 
     def reply(prompts: list[list[int]]) -> list[str]:
         found = {}
@@ -123,7 +124,7 @@ def target_replies(target, max_new_tokens: int, batch_size: int):
                                      eos_token_id=stop)
             for i, generation in zip(batch, out.generations, strict=True):
                 tokens = generation.tokens
-                found[i] = target.tokenizer.decode(tokens[:-1] if tokens and tokens[-1] == stop else tokens)
+                found[i] = target.tokenizer.decode(tokens[:-1] if tokens and tokens[-1] in stop else tokens)
         return [found[i] for i in range(len(prompts))]
 
     return reply

@@ -400,7 +400,8 @@ def evaluate_drafters(
     metrics, outputs, comparisons, prompt_counts, first_prompts = {}, {}, {}, {}, None
     for benchmark in benchmarks_of(params):
         prompts = engines.probe_prompts(
-            tokenizer, benchmark.corpus, benchmark.num_prompts, p["prompt_chars"], p["chat"], reply
+            tokenizer, benchmark.corpus, benchmark.num_prompts, p["prompt_chars"], p["chat"], reply,
+            template_kwargs=params["data"]["chat_template_kwargs"],
         )
         prompt_counts[benchmark.name] = len(prompts)
         reuse = speculate.PrefillCache() if builtin else None  # one target prefill serves every probe

@@ -26,6 +26,7 @@ Measuring a drafter with this (prompts in batches, the target-only baseline, τ 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -642,15 +643,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _finish(tokens: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
+def _stops(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
+    """The token ids a sequence ends at: one id, several (a generation config's list), or none."""
+    if eos_token_id is None:
+        return frozenset()
+    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+
+
+def _finish(tokens: list[int], max_new_tokens: int, eos_token_id: int | Iterable[int] | None) -> list[int]:
     tokens = tokens[:max_new_tokens]
-    if eos_token_id is not None and eos_token_id in tokens:
-        tokens = tokens[: tokens.index(eos_token_id) + 1]
-    return tokens
+    stops = _stops(eos_token_id)
+    end = next((i for i, token in enumerate(tokens) if token in stops), None)
+    return tokens if end is None else tokens[: end + 1]
 
 
-def _done(tokens: list[int], max_new_tokens: int, eos_token_id: int | None) -> bool:
-    return len(tokens) >= max_new_tokens or (eos_token_id is not None and eos_token_id in tokens)
+def _done(tokens: list[int], max_new_tokens: int, eos_token_id: int | Iterable[int] | None) -> bool:
+    return len(tokens) >= max_new_tokens or not _stops(eos_token_id).isdisjoint(tokens)
 
 
 def _generators(generators: list[torch.Generator | None] | None, count: int) -> list[torch.Generator | None]:
@@ -667,7 +675,7 @@ def decode_target_only(
     prompts: list[list[int]],
     max_new_tokens: int,
     temperature: float = 0.0,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Iterable[int] | None = None,
     generators: list[torch.Generator | None] | None = None,
     reuse: PrefillCache | None = None,
 ) -> BatchOutput:
@@ -713,7 +721,7 @@ def generate_target_only(
     prompt_ids: list[int],
     max_new_tokens: int,
     temperature: float = 0.0,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Iterable[int] | None = None,
     generator: torch.Generator | None = None,
 ) -> Generation:
     """`decode_target_only` for one prompt."""
@@ -738,7 +746,7 @@ class SpeculativeDecoder:
         self,
         prompt_ids: list[int],
         max_new_tokens: int,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Iterable[int] | None = None,
         generator: torch.Generator | None = None,
     ) -> Generation:
         """`generate_batch` for one prompt."""
@@ -749,7 +757,7 @@ class SpeculativeDecoder:
         self,
         prompts: list[list[int]],
         max_new_tokens: int,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Iterable[int] | None = None,
         generators: list[torch.Generator | None] | None = None,
         reuse: PrefillCache | None = None,
     ) -> BatchOutput:

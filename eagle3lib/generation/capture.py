@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from eagle3lib.data import corpora
-from eagle3lib.data.conversations import LOSS_TURNS, ChatRenderer, ReadStats
+from eagle3lib.data.conversations import LOSS_TURNS, ReadStats
 from eagle3lib.data.corpora import conversation_source, split_conversations
 from eagle3lib.data.layout import (
     AUX_CONVENTION,
@@ -35,8 +35,10 @@ from eagle3lib.data.readers import collate, open_reader
 from eagle3lib.data.sources import (
     Sample,
     check_text_kind,
+    check_thinking_mode,
     conversation_samples,
     raw_samples,
+    renderer_for,
     self_distilled_samples,
 )
 from eagle3lib.drafter.vocab import VocabMap
@@ -323,15 +325,17 @@ def training_text(target, data: dict, seed: int, work_dir: Path) -> tuple[Iterat
                                          data["prompt_chars"], data["batch_size"], data["heldout_fraction"],
                                          seed)
         return samples, provenance
-    renderer = ChatRenderer(target.tokenizer, target.stop_token_ids, data["loss_turns"])
+    check_thinking_mode(corpus, data["chat_template_kwargs"])
+    renderer = renderer_for(target, data)
     stats, cut = ReadStats(), Counter()
     conversations = split_conversations(corpus, "train", data["heldout_fraction"], stats)
     if text == "regenerate":
         path = regenerate_for_training(target, data, seed, conversations, renderer, work_dir)
         provenance["regenerated"] = str(path)
         conversations = split_conversations(str(path), "train", data["heldout_fraction"], ReadStats())
-    provenance |= {"loss_turns": data["loss_turns"], "conversations": stats.__dict__, "cut": cut}
-    return conversation_samples(renderer, conversations, seq_len, cut), provenance
+    provenance |= {"loss_turns": data["loss_turns"], "chat_template_kwargs": data["chat_template_kwargs"],
+                   "turns": data["turns"], "conversations": stats.__dict__, "cut": cut}
+    return conversation_samples(renderer, conversations, seq_len, cut, stats), provenance
 
 
 def regenerate_for_training(target, data: dict, seed: int, conversations, renderer, work_dir: Path) -> Path:

@@ -33,10 +33,19 @@ import urllib.request
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from eagle3lib.data.conversations import ChatRenderer, Conversation, ConversationError, manifest_path
+from eagle3lib.data.conversations import (
+    TEMPLATE_KEYS,
+    THINK_CLOSE,
+    THINK_OPEN,
+    ChatRenderer,
+    Conversation,
+    ConversationError,
+    RenderError,
+    manifest_path,
+)
 from eagle3lib.data.layout import DataError
 from eagle3lib.files import atomic_write_text, file_sha256, held
 from eagle3lib.progress import progress
@@ -44,6 +53,7 @@ from eagle3lib.runs import git_commit
 
 FORMAT = "eagle3lib-regenerated"
 ENGINES = ("builtin", "vllm", "server")
+REASONING = ("save", "drop", "inline")  # where a reply's reasoning goes in the regenerated history
 
 
 class RegenerationError(DataError):
@@ -62,6 +72,9 @@ class RegenerationSettings:
     dtype: str = "auto"  # builtin and vllm: the target's dtype
     url: str = ""  # server: e.g. http://127.0.0.1:30000
     model: str = ""  # server: the model name it serves ("" = the target's spec)
+    # the target's thinking mode: its chat template's switches, and where a reply's reasoning is kept
+    chat_template_kwargs: dict = field(default_factory=dict)
+    reasoning: str = "save"  # save: apart, in reasoning_content (as a parser gives it) | drop | inline
 
     def check(self) -> None:
         problems = []
@@ -73,15 +86,21 @@ class RegenerationSettings:
             problems.append(f"temperature must be >= 0, got {self.temperature}")
         if self.engine == "server" and not self.url:
             problems.append("engine server needs a url (an SGLang or vLLM server, OpenAI-compatible)")
+        if self.reasoning not in REASONING:
+            problems.append(f"reasoning must be one of {', '.join(REASONING)}, got {self.reasoning!r}")
+        if not isinstance(self.chat_template_kwargs, dict):
+            problems.append(f"chat_template_kwargs must be a mapping, got {self.chat_template_kwargs!r}")
         if problems:
             raise RegenerationError("regeneration settings: " + "; ".join(problems))
 
 
 @dataclass
 class Reply:
-    text: str
+    text: str  # what the model emitted (its reasoning included, unless `reasoning` holds it apart)
     tokens: int  # tokens generated, the stop token included
     finished: bool  # ended with a stop token (else cut at max_new_tokens)
+    reasoning: str | None = None  # a server's reasoning parser's reasoning_content
+    tool_calls: list | None = None  # a server's tool parser's calls
 
 
 @dataclass
@@ -89,6 +108,27 @@ class Request:
     messages: list[dict]  # the conversation so far, ending with the user turn to answer
     prompt_ids: list[int]  # those messages in the target's chat template with the generation prompt
     seed: int
+    tools: tuple = ()  # the conversation's tool declarations
+
+
+def assistant_message(reply: Reply, mode: str) -> dict:
+    """The reply as the regenerated history holds it. Its reasoning is what the model emitted before the
+    template's `</think>` (a leading `<think>` left out), saved apart in `reasoning_content` (`save`, as a
+    serving stack's reasoning parser returns it, so that the template renders it back exactly and rewrites
+    history as it does when served), dropped (`drop`), or left in the content as emitted (`inline`)."""
+    text, reasoning = reply.text, reply.reasoning
+    if reasoning is None and mode != "inline" and THINK_CLOSE in text:
+        reasoning, _, text = text.partition(THINK_CLOSE)
+        reasoning = reasoning.removeprefix(THINK_OPEN)
+    elif reasoning is not None and mode == "inline":
+        text = f"{THINK_OPEN}{reasoning}{THINK_CLOSE}{text}"
+        reasoning = None
+    message = {"role": "assistant", "content": text}
+    if reasoning and mode == "save":
+        message["reasoning_content"] = reasoning
+    if reply.tool_calls:
+        message["tool_calls"] = reply.tool_calls
+    return message
 
 
 # ---------------------------------------------------------------- engines
@@ -115,7 +155,7 @@ class BuiltinEngine(Engine):
 
     def __init__(self, target, settings: RegenerationSettings):
         self.target, self.settings = target, settings
-        self.stop = target.tokenizer.eos_token_id
+        self.stop = set(target.stop_token_ids)  # every id the generation config ends at, and the tokenizer's
 
     def replies(self, requests: list[Request]) -> list[Reply]:
         import torch
@@ -135,7 +175,7 @@ class BuiltinEngine(Engine):
         return [found[i] for i in range(len(requests))]
 
     def _reply(self, tokens: list[int]) -> Reply:
-        finished = bool(tokens) and tokens[-1] == self.stop
+        finished = bool(tokens) and tokens[-1] in self.stop
         text = self.target.tokenizer.decode(tokens[:-1] if finished else tokens)
         return Reply(text, len(tokens), finished)
 
@@ -177,8 +217,12 @@ class ServerEngine(Engine):
             return list(pool.map(self._one, requests))
 
     def _one(self, request: Request) -> Reply:
-        body = {"model": self.model, "messages": request.messages, "max_tokens": self.settings.max_new_tokens,
-                "temperature": self.settings.temperature, "seed": request.seed}
+        messages = [{key: m[key] for key in TEMPLATE_KEYS if key in m} for m in request.messages]
+        body = {"model": self.model, "messages": messages, "max_tokens": self.settings.max_new_tokens,
+                "temperature": self.settings.temperature, "seed": request.seed,
+                "chat_template_kwargs": self.settings.chat_template_kwargs}
+        if request.tools:
+            body["tools"] = list(request.tools)
         http = urllib.request.Request(self.endpoint, data=json.dumps(body).encode(),
                                       headers={"Content-Type": "application/json"})
         try:
@@ -189,8 +233,11 @@ class ServerEngine(Engine):
         except urllib.error.URLError as err:
             raise RegenerationError(f"{self.endpoint}: no server reachable ({err.reason})") from err
         choice = answer["choices"][0]
-        return Reply(choice["message"]["content"] or "", answer.get("usage", {}).get("completion_tokens", 0),
-                     choice.get("finish_reason") == "stop")
+        message = choice["message"]
+        reasoning = message.get("reasoning_content", message.get("reasoning"))  # a reasoning parser's split
+        return Reply(message.get("content") or "", answer.get("usage", {}).get("completion_tokens", 0),
+                     choice.get("finish_reason") in ("stop", "tool_calls"), reasoning,
+                     message.get("tool_calls") or None)
 
 
 def make_engine(settings: RegenerationSettings, target, renderer: ChatRenderer, work_dir: Path) -> Engine:
@@ -212,8 +259,10 @@ def make_engine(settings: RegenerationSettings, target, renderer: ChatRenderer, 
 
 
 def settings_from_data(data: dict, seed: int) -> RegenerationSettings:
-    """The regeneration a recipe's `data` section asks for (`data.regenerate`, data.max_new_tokens)."""
-    return RegenerationSettings(max_new_tokens=data["max_new_tokens"], seed=seed, **data["regenerate"])
+    """The regeneration a recipe's `data` section asks for (`data.regenerate`, data.max_new_tokens), in its
+    thinking mode (`data.chat_template_kwargs`)."""
+    return RegenerationSettings(max_new_tokens=data["max_new_tokens"], seed=seed,
+                                chat_template_kwargs=dict(data["chat_template_kwargs"]), **data["regenerate"])
 
 
 @dataclass
@@ -335,11 +384,12 @@ def regenerate(
 def _regenerate(conversations, out: Path, engine, renderer: ChatRenderer, settings: RegenerationSettings,
                 identity: dict, *, limit, enough_tokens, seq_len, chunk, deadline, command) -> dict:
     partial, manifest_file = partial_path(out), manifest_path(out)
-    done_ids, counts = _resume(partial, manifest_file, identity)
+    done_ids, counts, last = _resume(partial, manifest_file, identity)
     manifest = {**identity, "limit": limit, "enough_tokens": enough_tokens, "command": command,
-                "commit": git_commit(), "complete": False, "lines": len(done_ids), "counts": counts}
+                "commit": git_commit(), "complete": False, "lines": len(done_ids), "last": last,
+                "counts": counts}
     skipped, unanswered = Counter(counts["skipped"]), Counter(counts["turns_not_answered"])
-    stream = _after(iter(conversations), done_ids)
+    stream = _after(iter(conversations), last)
     unit, done = ("conv", len(done_ids)) if limit else ("tok", counts["template_tokens"])
     bar = progress(total=limit or enough_tokens, desc=f"regenerate → {out.name}", unit=unit, initial=done)
     while not _enough(counts, limit, enough_tokens) and time.perf_counter() < deadline:
@@ -362,7 +412,7 @@ def _regenerate(conversations, out: Path, engine, renderer: ChatRenderer, settin
             os.fsync(handle.fileno())
         counts["seconds"] += time.perf_counter() - started
         counts |= {"skipped": dict(skipped), "turns_not_answered": dict(unanswered)}
-        manifest["lines"] = counts["conversations"]
+        manifest |= {"lines": counts["conversations"], "last": batch[-1].id}  # written, and seen (skips too)
         atomic_write_text(manifest_file, json.dumps(manifest, indent=2) + "\n")  # the chunk's commit
     bar.close()
     counts["reply_tokens_per_s"] = counts["reply_tokens"] / max(counts["seconds"], 1e-9)
@@ -406,76 +456,115 @@ EMPTY_COUNTS = {"conversations": 0, "replies": 0, "reply_tokens": 0, "replies_cu
                 "template_tokens": 0, "skipped": {}, "turns_not_answered": {}, "seconds": 0.0}
 
 
-def _resume(partial: Path, manifest_file: Path, identity: dict) -> tuple[list[str], dict]:
-    """(the ids already written, the counts so far), after checking that the earlier run used this source,
-    target and settings (a new limit or token budget may differ). A run that wrote nothing leaves nothing to
-    continue: it starts afresh whatever it was."""
+def _resume(partial: Path, manifest_file: Path, identity: dict) -> tuple[list[str], dict, str | None]:
+    """(the ids already written, the counts so far, the id of the last conversation a committed chunk held),
+    after checking that the earlier run used this source, target and settings (a new limit or token budget
+    may differ). A run that wrote nothing leaves nothing to continue: it starts afresh whatever it was."""
     earlier = json.loads(manifest_file.read_text()) if manifest_file.exists() else None
     if not partial.exists() or not earlier or not earlier.get("lines"):
         if partial.exists() and not earlier:
             raise RegenerationError(f"{partial} has no manifest ({manifest_file}) beside it: cannot tell "
                                     "what made it; move it away to start again")
         partial.unlink(missing_ok=True)
-        return [], json.loads(json.dumps(EMPTY_COUNTS))
+        return [], json.loads(json.dumps(EMPTY_COUNTS)), None
     changed = [f"{key}: {earlier.get(key)!r} -> {value!r}" for key, value in identity.items()
                if earlier.get(key) != value]
     if changed:
         raise RegenerationError(f"{partial} was made with other inputs or settings ({'; '.join(changed)}); "
                                 "put them back to continue it, or write to another file")
-    return read_partial(partial, earlier["lines"]), earlier["counts"]
+    done = read_partial(partial, earlier["lines"])
+    return done, earlier["counts"], earlier.get("last", done[-1])
 
 
-def _after(stream: Iterator[Conversation], done_ids: list[str]) -> Iterator[Conversation]:
-    """The conversations after those already written, checking that the source still gives them in order."""
-    if not done_ids:
+def _after(stream: Iterator[Conversation], last: str | None) -> Iterator[Conversation]:
+    """The conversations after `last`, the last one a committed chunk held (written or skipped and counted:
+    neither is done twice)."""
+    if last is None:
         return stream
-    done = set(done_ids)
-    last = done_ids[-1]
     for conversation in stream:
         if conversation.id == last:
             return stream
-        if conversation.id not in done:
-            continue  # skipped last time (too long a prompt): skipped again
-    raise RegenerationError(f"the source no longer holds conversation {last!r}, the last one written: the "
-                            "partial file does not belong to it")
+    raise RegenerationError(f"the source no longer holds conversation {last!r}, the last one regenerated: "
+                            "the partial file does not belong to it")
+
+
+def _asks(conversation: Conversation) -> list[list[dict]]:
+    """What each regenerated reply answers: the user turn, with any system message since the last reply."""
+    asks, pending = [], []
+    for message in conversation.messages:
+        if message["role"] == "assistant":
+            asks, pending = asks + [pending], []
+        else:
+            pending.append(message)
+    return asks + [pending] if any(m["role"] == "user" for m in pending) else asks
 
 
 def _regenerate_chunk(
     batch: list[Conversation], engine, renderer: ChatRenderer, settings: RegenerationSettings, counts: dict,
     unanswered: Counter, seq_len: int,
 ) -> Iterator[tuple[dict | None, str | None, int]]:
-    """(record, None, tokens in the template) per conversation, or (None, why it was skipped, 0)."""
-    histories = [[m] if m["role"] == "system" else [] for m in (c.messages[0] for c in batch)]
-    users = [c.user_turns()[: settings.max_turns or None] for c in batch]
-    open_ = [True] * len(batch)
-    for turn in range(max(len(u) for u in users)):
+    """(record, None, tokens in the template) per conversation, or (None, why it was skipped, 0): one that
+    cannot be regenerated is counted, the others of the chunk are kept."""
+    asks = [_asks(c) for c in batch]
+    kept = [a[: settings.max_turns or None] for a in asks]
+    trained = [[m.get("train", True) for m in c.messages if m["role"] == "assistant"] for c in batch]
+    histories: list[list[dict]] = [[] for _ in batch]
+    failed: list[str | None] = ["tool turns (the tools cannot be run while regenerating)"
+                                if any(m["role"] == "tool" for m in c.messages) else None for c in batch]
+    open_ = [reason is None for reason in failed]
+    for turn in range(max(len(k) for k in kept)):
         requests, owners = [], []
         for i, conversation in enumerate(batch):
-            if not open_[i] or turn >= len(users[i]):
+            if not open_[i] or turn >= len(kept[i]):
                 continue
-            messages = [*histories[i], {"role": "user", "content": users[i][turn]}]
-            prompt_ids = renderer.prompt_ids(messages)
+            messages = [*histories[i], *kept[i][turn]]
+            try:
+                prompt_ids = renderer.prompt_ids(messages, conversation.tools)
+            except RenderError as err:
+                open_[i], failed[i] = False, err.reason
+                continue
             if len(prompt_ids) > settings.max_prompt_tokens:
                 open_[i] = False
-                unanswered[f"prompt longer than {settings.max_prompt_tokens} tokens"] += len(users[i]) - turn
+                unanswered[f"prompt longer than {settings.max_prompt_tokens} tokens"] += len(kept[i]) - turn
                 continue
-            requests.append(Request(messages, prompt_ids, reply_seed(settings.seed, conversation.id, turn)))
+            seed = reply_seed(settings.seed, conversation.id, turn)
+            requests.append(Request(messages, prompt_ids, seed, conversation.tools))
             owners.append(i)
         if not requests:
             break
         for i, request, reply in zip(owners, requests, engine.replies(requests), strict=True):
-            histories[i] = [*request.messages, {"role": "assistant", "content": reply.text}]
+            answer = assistant_message(reply, settings.reasoning)
+            if turn < len(trained[i]) and not trained[i][turn]:
+                answer["weight"] = 0  # the source kept this turn out of the loss: so does its new form
+            histories[i] = [*request.messages, answer]
             counts["replies"] += 1
             counts["reply_tokens"] += reply.tokens
             counts["replies_cut_at_max_new_tokens"] += not reply.finished
-    for conversation, history, user_turns in zip(batch, histories, users, strict=True):
-        unanswered["beyond max_turns"] += len(conversation.user_turns()) - len(user_turns)
+    for conversation, history, ask, reason in zip(batch, histories, asks, failed, strict=True):
+        unanswered["beyond max_turns"] += len(ask) - len(ask[: settings.max_turns or None])
+        if reason:
+            yield None, reason, 0
+            continue
         if not any(m["role"] == "assistant" for m in history):
             yield None, f"first prompt longer than {settings.max_prompt_tokens} tokens", 0
             continue
+        rendered = Conversation(conversation.id, tuple(_as_read(m) for m in history), conversation.where,
+                                conversation.tools)
+        try:
+            tokens = sum(len(sample.input_ids) for sample in renderer.samples(rendered, seq_len))
+        except RenderError as err:  # the regenerated history renders otherwise than it was asked: counted
+            yield None, err.reason, 0
+            continue
         record = {"id": conversation.id, "conversations": history}
-        rendered = Conversation(conversation.id, tuple(history), conversation.where)
-        yield record, None, len(renderer.render(rendered, seq_len).input_ids)
+        if conversation.tools:
+            record["tools"] = list(conversation.tools)
+        yield record, None, tokens
+
+
+def _as_read(message: dict) -> dict:
+    """A written message as a reader reads it back (`weight: 0` is `train: False`)."""
+    shown = {key: message[key] for key in TEMPLATE_KEYS if key in message}
+    return shown | ({"train": False} if message.get("weight") == 0 or message.get("train") is False else {})
 
 
 def reply_seed(seed: int, conversation_id: str, turn: int) -> int:
