@@ -585,6 +585,62 @@ def _regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("drafter", help="the drafter checkpoint folder to move")
+    p.add_argument("--target", required=True, help="the new target: a Hugging Face folder or zoo:<name>")
+    p.add_argument("--data", help="the new data: a data folder or run (its token counts and map), or a "
+                   "conversation corpus (sharegpt, a file or folder: its loss tokens counted)")
+    p.add_argument("--data-limit", type=whole(1), default=2000, help="conversations of --data read")
+    p.add_argument("--engine", choices=["sglang", "vllm", "speculators", "specforge"], default="sglang",
+                   help="the engine that will serve it: its numbering, its flags")
+    p.add_argument("--chat-template-kwargs", type=template_switches, default={}, metavar="JSON",
+                   help="the mode it will be served in, e.g. '{\"enable_thinking\": true}'")
+    p.add_argument("--probe", type=whole(1), metavar="N", help="also measure its τ on N held-out prompts of "
+                   "--data (or of sharegpt), as served as-is (builtin engine, chain K 3, 64 tokens)")
+    p.add_argument("--json", action="store_true", help="the rows as JSON")
+
+
+@command("check", "audit a drafter against a new target before a single step: shapes, aux layers, positions, "
+         "flags, the vocab map against the new data, the thinking mode; non-zero exit on any FAIL",
+         _check_arguments)
+def _check(args: argparse.Namespace) -> int:
+    import json
+
+    from eagle3lib.drafter.config import read_config
+    from eagle3lib.training import audit
+
+    target = audit.TargetConfig.read(args.target)
+    config = read_config(args.drafter)[0]
+    data_map = counts = None
+    if args.data:
+        data_map, counts, read = audit.data_facts(args.data, args.target, config.draft_vocab_size,
+                                                  target.vocab_size, args.data_limit)
+        if not args.json:
+            print(f"eagle3 check: the new data: {read}")
+    rows = audit.audit(args.drafter, target, engine=args.engine, data_map=data_map, counts=counts,
+                       serve_template_kwargs=args.chat_template_kwargs)
+    if args.probe:
+        rows.append(_probe_row(args))
+    print(json.dumps(audit.as_json(rows), indent=1) if args.json else audit.report(rows))
+    return 1 if audit.rows_of(rows)["FAIL"] else 0
+
+
+def _probe_row(args: argparse.Namespace):
+    from eagle3lib.data.corpora import corpus_kind
+    from eagle3lib.decoding import engines
+    from eagle3lib.decoding.evaluate import tau_text
+    from eagle3lib.decoding.speculate import DraftSettings
+    from eagle3lib.training.audit import Row
+
+    corpus = args.data if args.data and corpus_kind(args.data) == "conversations" else "sharegpt"
+    target, tokenizer = engines.open_target(args.target, "builtin", "float32", "auto")
+    prompts = engines.probe_prompts(tokenizer, corpus, args.probe, 600, True,
+                                    template_kwargs=args.chat_template_kwargs)
+    result = engines.probe("builtin", target, args.drafter, prompts, DraftSettings(steps=3), 64)
+    return Row("τ as served as-is", "PASS", f"{tau_text(result.metrics)} on {args.probe} held-out prompts of "
+                                           f"{corpus} (chain K 3, 64 new tokens)")
+
+
 def _accept_edit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="a regenerated dataset file (its manifest beside it) or a published "
                    "drafter's folder or weights (its provenance.json)")

@@ -60,6 +60,7 @@ from eagle3lib.drafter.config import LAYOUT_READERS
 from eagle3lib.generation.online import ensure_text, online_training_data
 from eagle3lib.params import STAND_IN_DATA_KEYS, STAND_IN_TRAIN_KEYS, load_params, minimums
 from eagle3lib.target.model import Target
+from eagle3lib.training import audit
 from eagle3lib.training.arms import ARMS, StepZeroCheckFailed, arm_l2sp, diagnose, init_drafter
 from eagle3lib.training.remap import MISSING_POLICIES
 from eagle3lib.training.trainer import Processes, Trainer, TrainingError, micro_batches_per_rank
@@ -346,9 +347,45 @@ def train_arms(
         return {arm: ArmResult.read(out / arm) for arm in train["arms"]}
     procs = Processes.start(params["run"]["device"])
     data = arms_data(params, out, run_dir, procs)
+    audit_warm_start(params, data, out, procs)
     validation = validation_of(params, data, out, procs)
     return {arm: train_arm(arm, params, out, data, procs, resume=resume, validation=validation)
             for arm in train["arms"]}
+
+
+AUDIT_FILE = "audit.json"
+NOT_ENFORCED = ("chat template and thinking mode",)  # fine-tuning in the new mode is what mends it
+
+
+def audit_warm_start(params: dict, data: TrainingData, out: Path, procs: Processes) -> list[audit.Row] | None:
+    """The audit of the warm-start drafter against the recipe's target (`training.audit`), before any step:
+    printed, kept in `<out>/audit.json`, and a FAIL refused as the step-0 check refuses (unless
+    `train.check_enforce` is false). Skipped, with the reason, where the target's config cannot be read or is
+    not the one the data came from."""
+    train = params["train"]
+    if not procs.main or not train["drafter"] or set(train["arms"]) <= {"scratch"}:
+        return None
+    try:
+        target = audit.TargetConfig.read(params["target"]["spec"])
+    except (OSError, ValueError) as err:
+        print(f"audit of the warm start skipped: the recipe's target cannot be read ({err})", flush=True)
+        return None
+    if (target.hidden_size, target.vocab_size) != (data.target_hidden_size, data.vocab_size):
+        print(f"audit of the warm start skipped: target {target.name} (H {target.hidden_size}, Vt "
+              f"{target.vocab_size}) is not the data's (H {data.target_hidden_size}, Vt {data.vocab_size})",
+              flush=True)
+        return None
+    rows = audit.audit(files.resolve_path(train["drafter"]), target, data_map=data.vocab_map,
+                       serve_template_kwargs=params["data"]["chat_template_kwargs"])
+    files.make_folder(out)
+    files.atomic_write_text(out / AUDIT_FILE, json.dumps(audit.as_json(rows), indent=1) + "\n")
+    print(f"audit of the warm start {train['drafter']} against {target.name}:\n{audit.report(rows)}",
+          flush=True)
+    failed = [r for r in rows if r.status == "FAIL" and r.check not in NOT_ENFORCED]
+    if failed and train["check_enforce"]:
+        raise TrainingError("the warm start fails its audit: " + "; ".join(r.line() for r in failed)
+                            + " (set train.check_enforce=false to train anyway)")
+    return rows
 
 
 def check_recipe(params: dict) -> None:
@@ -534,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_recipe(params)
         data = arms_data(params, out, run_dir, procs)
+        audit_warm_start(params, data, out, procs)
         validation = validation_of(params, data, out, procs)
         for arm in params["train"]["arms"]:
             train_arm(arm, params, out, data, procs, resume=args.resume, validation=validation)
