@@ -238,6 +238,29 @@ def _publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def _publish_curves_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="a run folder whose notebook 04 measured its arms along training "
+                   "(train.validation_prompts > 0)")
+    p.add_argument("--command", required=True, help="the command that made the run, recorded as it is")
+    p.add_argument("-o", "--out", required=True, help="the new record folder, e.g. records/NAME (refused if "
+                   "it exists)")
+
+
+@command("publish-curves", "copy a run's τ along training out as a committed record (curves.json, the "
+         "figure, provenance with their hashes)", _publish_curves_arguments)
+def _publish_curves(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from eagle3lib.reports import publish
+
+    out = publish.publish_curves(Path(args.run_dir), Path(args.out), command=args.command)
+    record = publish.read_record(out)
+    print(f"eagle3 publish-curves: {out} ({record['budget']})")
+    for line in record["findings"]:
+        print(f"  {line}")
+    return 0
+
+
 def _diff_vocab_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("a", help="map A: a drafter checkpoint folder or a map file (d2t/t2d)")
     p.add_argument("b", help="map B: same kinds as A")

@@ -139,6 +139,10 @@ class EvaluateSection:
     sweep_batch_size: int = setting(1, "the sweep decodes one prompt at a time: one user's latency")
     sweep_prompts: int = setting(4, "the first benchmark's first prompts the sweep decodes")
     sweep_tree: SweepTree = subsection(SweepTree, "one small tree too; steps 0 = none")
+    record: str = setting(
+        "", 'a committed record of τ along training (records/<name>, eagle3 publish-curves) shown beside the '
+        'run\'s own; "" = none'
+    )
 
 
 @dataclass

@@ -8,11 +8,13 @@ import shutil
 
 import pytest
 import torch
+import yaml
 
 from eagle3lib.data import benchmarks
 from eagle3lib.data.layout import DataError
 from eagle3lib.decoding import curves
-from eagle3lib.drafter.checkpoint import load_drafter
+from eagle3lib.drafter.checkpoint import CheckpointError, load_drafter
+from eagle3lib.reports import publish
 from eagle3lib.training import train
 from eagle3lib.training.trainer import TrainingError
 from tests.test_online import recipe
@@ -127,3 +129,31 @@ def test_a_bad_select_rule_or_l2sp_is_refused():
         train.check_settings(curve_recipe(select_by="best")["train"])
     with pytest.raises(TrainingError, match="l2sp"):
         train.check_settings(curve_recipe(l2sp=0.0)["train"])
+
+
+def test_a_published_record_keeps_the_curves_and_refuses_an_edit(tmp_path, curve_run):
+    out, _ = curve_run
+    run = tmp_path / "run"
+    shutil.copytree(out, run / "04_finetune")
+    (run / "params.yaml").write_text(yaml.safe_dump(curve_recipe()))
+    provenance = {"notebooks": ["04_finetune"], "git commit": "abc1234", "machine": "a test machine"}
+    (run / "metrics.json").write_text(json.dumps({"provenance": [provenance]}))
+    folder = publish.publish_curves(run, tmp_path / "records" / "curve", command="eagle3 run test")
+    record = publish.read_record(folder)
+    assert record["commit"] == "abc1234" and record["machine"] == "a test machine"
+    arms = ("drafter", "drafter-l2sp", "scratch")
+    assert record["arms"] == {arm: curves.read_points(out / arm) for arm in arms}
+    assert record["findings"] == curves.findings(record["arms"], record["source"])
+    assert (folder / publish.CURVES_FIGURE).stat().st_size > 0
+    with pytest.raises(FileExistsError):
+        publish.publish_curves(run, folder, command="again")
+    edited = json.loads((folder / publish.CURVES).read_text()) | {"commit": "edited"}
+    (folder / publish.CURVES).write_text(json.dumps(edited))
+    with pytest.raises(CheckpointError, match=publish.CURVES):
+        publish.read_record(folder)
+
+
+def test_a_run_measured_nowhere_along_training_has_no_record(tmp_path):
+    (tmp_path / "04_finetune" / "scratch").mkdir(parents=True)
+    with pytest.raises(publish.PublishError, match="validation_prompts"):
+        publish.publish_curves(tmp_path, tmp_path / "record", command="x")

@@ -9,12 +9,14 @@ notebook 05 measured for it, and the SHA-256 of its weights, which `verify` chec
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
 import yaml
 
 from eagle3lib import files, runs
+from eagle3lib.decoding import curves
 from eagle3lib.drafter.checkpoint import PROVENANCE, check_published, load_drafter, save_drafter
 from eagle3lib.reports import plots
 
@@ -45,7 +47,7 @@ def publish(run_dir: Path, arm: str, out: Path, *, command: str, dtype: torch.dt
                               staging / "training_curve.png")
         record = {
             "command": command,
-            "commit": training_commit(metrics),
+            "commit": training_provenance(metrics)["git commit"],
             "published_at_commit": runs.git_commit(),
             "dtype": str(dtype).removeprefix("torch."),
             "load_report": report.summary(),
@@ -63,16 +65,66 @@ def publish(run_dir: Path, arm: str, out: Path, *, command: str, dtype: torch.dt
     return Path(out)
 
 
+CURVES = "curves.json"
+CURVES_FIGURE = "training_curves.png"
+
+
+def publish_curves(run_dir: Path, out: Path, *, command: str) -> Path:
+    """A run's τ along training as a committed record `out/`: `curves.json` (every measured arm's points,
+    the source drafter as-is, what a point cost, what the curves say in training tokens, the recipe, the
+    command, the commit 04 ran at, the machine, each arm's training seconds), the figure, and
+    `provenance.json` with both files' SHA-256, which `read_record` checks."""
+    finetune = Path(run_dir) / runs.FINETUNE
+    arms = sorted(p.name for p in finetune.iterdir() if (p / curves.CURVE_FILE).is_file())
+    points, source = curves.read_curves(finetune, arms)
+    if not points:
+        raise PublishError(f"{finetune}: no arm was measured along training (train.validation_prompts)")
+    trained = training_provenance(json.loads((Path(run_dir) / "metrics.json").read_text()))
+    record = {
+        "command": command,
+        "commit": trained["git commit"],
+        "machine": trained.get("machine", "not recorded"),
+        "budget": json.loads((finetune / curves.VALIDATION_FILE).read_text())["budget"],
+        "recipe": yaml.safe_load((Path(run_dir) / "params.yaml").read_text()),
+        "seconds": {arm: json.loads((finetune / arm / "summary.json").read_text())["seconds"]
+                    for arm in arms},
+        "findings": curves.findings(points, source),
+        "arms": points,
+        "source": source,
+    }
+    with files.staged_folder(Path(out)) as staging:
+        files.atomic_write_text(staging / CURVES, json.dumps(record, indent=1) + "\n")
+        plots.training_curves(points, source, record_title(record), staging / CURVES_FIGURE)
+        sha = {name: files.file_sha256(staging / name) for name in (CURVES, CURVES_FIGURE)}
+        provenance = {"command": command, "commit": record["commit"], "sha256": sha}
+        files.atomic_write_text(staging / PROVENANCE, json.dumps(provenance, indent=1) + "\n")
+    return Path(out)
+
+
+def record_title(record: dict) -> str:
+    """The figure title of a committed record: its budget and the machine that measured it."""
+    return f"committed record: {record['budget']}\n{record['machine']}"
+
+
+def read_record(folder: str | os.PathLike) -> dict:
+    """A committed curves record, after checking its files against the hashes its provenance holds."""
+    folder = files.resolve_path(folder)
+    check_published(folder)
+    return json.loads((folder / CURVES).read_text())
+
+
 def _read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def training_commit(metrics: dict) -> str:
-    """The git commit `eagle3 run` recorded when it ran notebook 04 ("+changes": with uncommitted edits)."""
+def training_provenance(metrics: dict) -> dict:
+    """What `eagle3 run` recorded when it ran notebook 04: the git commit ("+changes": with uncommitted
+    edits), the machine, the package versions."""
     runs_of_04 = [p for p in metrics.get("provenance", []) if runs.FINETUNE in p.get("notebooks", [])]
     if not runs_of_04:
         raise PublishError("the run's metrics.json records no provenance for 04_finetune (use eagle3 run)")
-    return runs_of_04[-1]["git commit"]
+    return runs_of_04[-1]
+
 
 
 def verify(folder: Path) -> dict:
