@@ -91,7 +91,8 @@ def test_every_arm_is_measured_along_training_and_its_drafter_is_the_chosen_poin
     lines = curves.findings({arm: curves.read_points(out / arm) for arm in results}, source["benchmarks"])
     assert any("scratch needed" in line for line in lines)
     assert any("above the source drafter as-is" in line for line in lines)
-    assert any("forgetting" in line and "prose" in line for line in lines)
+    old_domain = [line for line in lines if "prose (the old domain)" in line]
+    assert len(old_domain) == 2 and all("against the source drafter as-is" in line for line in old_domain)
 
 
 def test_l2sp_pulls_towards_the_warm_start_and_only_its_arm_has_it(curve_run):

@@ -148,7 +148,8 @@ def compared(a: dict, b: dict, seed: int = 0) -> intervals.Comparison:
 
 def findings(arms: dict[str, list[dict]], source: dict[str, dict] | None) -> list[str]:
     """Sentences in training tokens: tokens saved by each warm start, where it passes the source drafter
-    as-is (paired interval above zero), and its forgetting on the benchmarks after the first."""
+    as-is (paired interval above zero), and what the benchmarks after the first (the old domain) lost or
+    gained, in training and against the source drafter as-is."""
     lines = []
     scratch = arms.get("scratch")
     warm = {arm: points for arm, points in arms.items() if arm != "scratch" and points}
@@ -174,14 +175,21 @@ def findings(arms: dict[str, list[dict]], source: dict[str, dict] | None) -> lis
                    else f"not within {budget:,} training tokens (no paired interval above zero)")
             )
         for old_domain in benchmarks[1:]:
-            change = compared(points[-1]["benchmarks"][old_domain], points[0]["benchmarks"][old_domain])
-            d = change.difference
-            lines.append(
-                f"{arm} on {old_domain} (forgetting): τ {points[0]['benchmarks'][old_domain]['tau']:.2f} → "
-                f"{points[-1]['benchmarks'][old_domain]['tau']:.2f} over {budget:,} tokens "
-                f"({d.estimate:+.2f} [{d.low:+.2f}, {d.high:+.2f}])"
-            )
+            first, last = points[0]["benchmarks"][old_domain], points[-1]["benchmarks"][old_domain]
+            line = (f"{arm} on {old_domain} (the old domain): τ {first['tau']:.2f} → {last['tau']:.2f} over "
+                    f"{budget:,} tokens, {change_text(compared(last, first))}")
+            if source:
+                line += (f"; against the source drafter as-is ({source[old_domain]['tau']:.2f}), "
+                         f"{change_text(compared(last, source[old_domain]))}")
+            lines.append(line)
     return lines
+
+
+def change_text(change: intervals.Comparison) -> str:
+    """'forgetting -0.12 [-0.20, -0.05]' when the paired interval lies below zero, 'a gain' above it."""
+    d = change.difference
+    verdict = "forgetting" if d.high < 0 else "a gain" if d.low > 0 else "no change the prompts can tell"
+    return f"{verdict} {d.estimate:+.2f} [{d.low:+.2f}, {d.high:+.2f}]"
 
 
 # ---------------------------------------------------------------- a finished arm's checkpoints

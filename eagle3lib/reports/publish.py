@@ -102,8 +102,11 @@ def publish_curves(run_dir: Path, out: Path, *, command: str) -> Path:
 
 
 def record_title(record: dict) -> str:
-    """The figure title of a committed record: its budget and the machine that measured it."""
-    return f"committed record: {record['budget']}\n{record['machine']}"
+    """The figure title of a committed record: what a point measured, where and at which commit."""
+    train, probe = record["recipe"]["train"], record["recipe"]["probe"]
+    return (f"committed record, 04 at {record['commit'][:7]}: {train['validation_prompts']} validation "
+            f"prompts x {train['validation_new_tokens']} new tokens a benchmark, chain K {probe['steps']}\n"
+            f"measured on {record['machine']}")
 
 
 def read_record(folder: str | os.PathLike) -> dict:

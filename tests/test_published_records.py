@@ -1,0 +1,40 @@
+"""The records under records/: their files as their provenance records them, the recipe that made them as it
+stands in params/, and every recipe's `evaluate.record` one of them."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from eagle3lib import files
+from eagle3lib.params import load_params
+from eagle3lib.reports import publish
+
+RECORDS = sorted((files.REPO_ROOT / "records").glob("*/provenance.json"))
+
+
+def test_the_warm_start_curve_is_committed():
+    assert files.REPO_ROOT / "records" / "warm-start-curve" / publish.PROVENANCE in RECORDS
+
+
+@pytest.mark.parametrize("provenance", RECORDS, ids=lambda p: p.parent.name)
+def test_a_record_matches_its_hashes_and_the_recipe_that_made_it(provenance):
+    record = publish.read_record(provenance.parent)  # the SHA-256 of curves.json and the figure
+    assert record["commit"] and record["machine"] and record["arms"] and record["findings"]
+    for points in record["arms"].values():
+        assert [p["tokens"] for p in points] == sorted(p["tokens"] for p in points)
+        measured = [m for p in points for m in p["benchmarks"].values()]
+        assert all(m["tau_low"] <= m["tau"] <= m["tau_high"] for m in measured)
+    # the command names a recipe of params/, and every setting that recipe writes is the one the record used
+    recipe = next(word for word in record["command"].split() if word.startswith("params/"))
+    written = yaml.safe_load((files.REPO_ROOT / recipe).read_text())
+    for section, settings in written.items():
+        for key, value in settings.items():
+            assert record["recipe"][section][key] == value, f"{recipe}: {section}.{key} is not the record's"
+
+
+@pytest.mark.parametrize("recipe", sorted((files.REPO_ROOT / "params").glob("*.yaml")), ids=lambda p: p.name)
+def test_a_recipe_shows_a_committed_record_or_none(recipe):
+    shown = load_params(recipe)["evaluate"]["record"]
+    if shown:
+        publish.read_record(shown)
