@@ -12,12 +12,14 @@ both see the same machine. Prints, per mode and batch size, the real (non-paddin
 the share of computed positions that are real, and the ratio.
 
 Memory: one online run of `--memory-steps` steps (batch 4, seq_len 1,024) printing the resident set every
-50 steps and its growth after step 50.
+50 steps, its growth after step 50 and the tensors Python still holds; `--memory-trim` also gives the C heap's
+free pages back each time and prints what stays (allocator retention against a leak).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import tempfile
 import time
@@ -107,19 +109,40 @@ def compare(mode: str, batch_size: int, rounds: int, work: Path) -> None:
     print(f"  {mode:7s} batch {batch_size:2d} packed / padded: {speed[True] / speed[False]:.2f}x")
 
 
-def memory(steps: int, packing: bool, work: Path) -> None:
+def live_tensor_gb() -> float:
+    """What the Python side holds: the bytes of every tensor storage still referenced (each counted once)."""
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values()) / 2**30
+
+
+def malloc_trim() -> None:
+    """Hand the C heap's free pages back to the system (glibc): what stays resident after it is in use."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def memory(steps: int, packing: bool, trim: bool, work: Path) -> None:
     params = recipe("online", 4, 1024, packing, 4 * 1024 * (steps + 2))
     trainer = make_trainer(params, training_data("online", params, work / "memory"), work / "memory-run")
-    print(f"  online run, batch 4 x seq_len 1,024, packing {packing}: resident set every 50 steps")
-    at_50 = None
+    print(f"  online run, batch 4 x seq_len 1,024, packing {packing}: resident set every 50 steps"
+          + (", then again after malloc_trim" if trim else ""))
+    at_50, seconds = None, 0.0
     for n in range(1, steps + 1):
-        step(trainer)
+        seconds += step(trainer)[0]
         if n % 50 == 0:
             gc.collect()
             now = resident_gb()
             at_50 = at_50 or now
-            growth = 100 * (now / at_50 - 1)
-            print(f"    step {n:4d}: {now:.2f} GB ({growth:+.1f} % since step 50)", flush=True)
+            line = (f"    step {n:4d}: {now:.2f} GB ({100 * (now / at_50 - 1):+.1f} % since step 50), "
+                    f"live tensors {live_tensor_gb():.2f} GB, {seconds / 50:.2f} s a step")
+            seconds = 0.0
+            if trim:
+                malloc_trim()
+                line += f", {resident_gb():.2f} GB after malloc_trim"
+            print(line, flush=True)
 
 
 def main() -> None:
@@ -129,11 +152,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--memory-steps", type=int, default=0, help="> 0: the resident-set run instead")
     parser.add_argument("--memory-packing", default="true", choices=["true", "false"])
+    parser.add_argument("--memory-trim", action="store_true",
+                        help="also give free heap pages back at each print (glibc malloc_trim): resident "
+                        "memory that falls then was the allocator's, not a leak")
     args = parser.parse_args()
     print(f"machine: {machine_description()}; torch threads {torch.get_num_threads()}")
     with tempfile.TemporaryDirectory() as work:
         if args.memory_steps:
-            memory(args.memory_steps, args.memory_packing == "true", Path(work))
+            memory(args.memory_steps, args.memory_packing == "true", args.memory_trim, Path(work))
             return
         for mode in args.modes:
             for batch_size in args.batch_sizes:

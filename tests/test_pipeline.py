@@ -16,7 +16,7 @@ import stat
 import pytest
 import torch
 
-from eagle3lib import cli, runs
+from eagle3lib import cli, files, runs
 from eagle3lib.drafter.checkpoint import load_drafter
 from eagle3lib.params import load_params
 from eagle3lib.reports import publish, report
@@ -74,6 +74,9 @@ def test_smoke_recipe_runs_all_six_notebooks_chained(smoke_run, tmp_path):
     assert remap["proof"]["passed"] and remap["proof"]["max_abs_diff"] == 0.0
     assert remap["shared"] == diff["intersection"]
     assert set(metrics["04_finetune"]["arms"]) == {"drafter", "drafter-no-remap", "scratch"}
+    for arm in metrics["04_finetune"]["arms"]:  # packed rows: nearly every computed position a real token
+        logged = files.read_json_lines(run_dir / "04_finetune" / arm / "metrics.jsonl")
+        assert logged and all(line["real_fraction"] >= 0.9 for line in logged), arm
     evaluation = metrics["05_evaluate"]
     assert list(evaluation["benchmarks"]) == ["code", "two-turn", "humaneval"]
     assert evaluation["prompts"] == {"code": 2, "two-turn": 4, "humaneval": 2}  # both turns of 2 questions
