@@ -1,7 +1,8 @@
 """Packed vs padded training rows on the shipped ShareGPT conversations, and the resident set of a long run.
 
     .venv/bin/python bench/bench_packing.py [--batch-sizes 4 16] [--rounds 3] [--modes online offline]
-    .venv/bin/python bench/bench_packing.py --memory-steps 300 [--memory-packing true]
+    .venv/bin/python bench/bench_packing.py --memory-steps 300 [--memory-every 50] [--memory-packing true]
+                                            [--allocator trim-each-step|glibc|large-blocks] [--memory-trim]
 
 Speed: SmolLM2-135M-Instruct as the target, a drafter of the chat drafter's size (H 576, Vd 8,192), seq_len
 2,048, 4 TTT steps, one row a forward (micro-batches of 1: on a CPU a larger forward is slower per position,
@@ -12,8 +13,11 @@ both see the same machine. Prints, per mode and batch size, the real (non-paddin
 the share of computed positions that are real, and the ratio.
 
 Memory: one online run of `--memory-steps` steps (batch 4, seq_len 1,024) printing the resident set every
-50 steps, its growth after step 50 and the tensors Python still holds; `--memory-trim` also gives the C heap's
-free pages back each time and prints what stays (allocator retention against a leak).
+`--memory-every` steps, its growth after the first print, the tensors Python still holds and the seconds a
+step; `--memory-trim` also gives the C heap's free pages back each time and prints what stays (allocator
+retention against a leak). `--allocator`: the trainer's own (the heap trimmed after every step,
+`devices.trim_heap`), glibc's default, or every block of 1 MiB or more in a mapping of its own (glibc's
+M_MMAP_THRESHOLD fixed: freed at once, but each large tensor faults its pages in anew).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from pathlib import Path
 import torch
 
 from eagle3lib.data.readers import offline_training_data
-from eagle3lib.devices import machine_description
+from eagle3lib.devices import machine_description, trim_heap
 from eagle3lib.generation.capture import prepare_for_run
 from eagle3lib.generation.online import online_training_data
 from eagle3lib.params import load_params
@@ -37,6 +41,7 @@ from eagle3lib.training import arms
 from eagle3lib.training.trainer import Processes, Trainer
 
 DATA = "datasets/sharegpt-smollm2"
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 CHAT_DRAFTER = {"num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536,
                 "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192}
 
@@ -119,28 +124,29 @@ def live_tensor_gb() -> float:
     return sum(storages.values()) / 2**30
 
 
-def malloc_trim() -> None:
-    """Hand the C heap's free pages back to the system (glibc): what stays resident after it is in use."""
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def memory(steps: int, packing: bool, trim: bool, work: Path) -> None:
+def memory(steps: int, every: int, packing: bool, allocator: str, trim: bool, work: Path) -> None:
+    if allocator == "large-blocks":
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
     params = recipe("online", 4, 1024, packing, 4 * 1024 * (steps + 2))
     trainer = make_trainer(params, training_data("online", params, work / "memory"), work / "memory-run")
-    print(f"  online run, batch 4 x seq_len 1,024, packing {packing}: resident set every 50 steps"
-          + (", then again after malloc_trim" if trim else ""))
-    at_50, seconds = None, 0.0
+    print(f"  online run, batch 4 x seq_len 1,024, packing {packing}, allocator {allocator}: resident set "
+          f"every {every} steps" + (", then again after malloc_trim" if trim else ""))
+    first, seconds = None, 0.0
     for n in range(1, steps + 1):
         seconds += step(trainer)[0]
-        if n % 50 == 0:
+        if allocator == "trim-each-step":
+            start = time.perf_counter()
+            trim_heap()
+            seconds += time.perf_counter() - start
+        if n % every == 0:
             gc.collect()
             now = resident_gb()
-            at_50 = at_50 or now
-            line = (f"    step {n:4d}: {now:.2f} GB ({100 * (now / at_50 - 1):+.1f} % since step 50), "
-                    f"live tensors {live_tensor_gb():.2f} GB, {seconds / 50:.2f} s a step")
+            first = first or now
+            line = (f"    step {n:4d}: {now:.2f} GB ({100 * (now / first - 1):+.1f} % since step {every}), "
+                    f"live tensors {live_tensor_gb():.2f} GB, {seconds / every:.2f} s a step")
             seconds = 0.0
             if trim:
-                malloc_trim()
+                trim_heap()
                 line += f", {resident_gb():.2f} GB after malloc_trim"
             print(line, flush=True)
 
@@ -151,7 +157,10 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["online", "offline"], choices=["online", "offline"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--memory-steps", type=int, default=0, help="> 0: the resident-set run instead")
+    parser.add_argument("--memory-every", type=int, default=50)
     parser.add_argument("--memory-packing", default="true", choices=["true", "false"])
+    parser.add_argument("--allocator", default="trim-each-step",
+                        choices=["trim-each-step", "glibc", "large-blocks"])
     parser.add_argument("--memory-trim", action="store_true",
                         help="also give free heap pages back at each print (glibc malloc_trim): resident "
                         "memory that falls then was the allocator's, not a leak")
@@ -159,7 +168,8 @@ def main() -> None:
     print(f"machine: {machine_description()}; torch threads {torch.get_num_threads()}")
     with tempfile.TemporaryDirectory() as work:
         if args.memory_steps:
-            memory(args.memory_steps, args.memory_packing == "true", args.memory_trim, Path(work))
+            memory(args.memory_steps, args.memory_every, args.memory_packing == "true", args.allocator,
+                   args.memory_trim, Path(work))
             return
         for mode in args.modes:
             for batch_size in args.batch_sizes:

@@ -233,6 +233,13 @@ def test_frozen_lm_head_stays_the_targets_rows(tmp_path, data_folder):
     assert not torch.equal(drafter.fc.weight, fresh.fc.weight)
 
 
+def test_a_cpu_run_trims_the_heap_after_every_step(tmp_path, data_folder, monkeypatch):
+    trims = []
+    monkeypatch.setattr(trainer, "trim_heap", lambda: trims.append(1) or True)
+    train.train_arms(tiny_params(data_folder, steps=3), tmp_path)
+    assert len(trims) == 3
+
+
 def _trained_drafter(tmp_path, data_folder) -> str:
     return train.train_arms(tiny_params(data_folder), tmp_path / "source")["scratch"].drafter
 

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from eagle3lib import files
 from eagle3lib.data.readers import TrainingData
-from eagle3lib.devices import fast_bf16, resolve_device, return_large_blocks
+from eagle3lib.devices import fast_bf16, resolve_device, trim_heap
 from eagle3lib.drafter.checkpoint import load_drafter, save_drafter
 from eagle3lib.drafter.model import Eagle3Drafter
 from eagle3lib.drafter.ttt_attention import Segments, segments_of
@@ -237,8 +237,6 @@ class Trainer:
         self.data = data
         self.micro_batches = micro_batches_per_rank(train, procs.world_size)
         device = procs.device
-        if device.type == "cpu":
-            return_large_blocks()  # tensors of many sizes every step: keep the resident set flat
         self.drafter = drafter.to(device)
         self.drafter.lm_head.weight.requires_grad_(train["train_lm_head"])
         draft_ids = data.vocab_map.draft_ids.to(device)
@@ -396,6 +394,8 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.drafter.lm_head.weight.device.type == "cpu":
+                trim_heap()  # tensors of many sizes every step: keep the resident set flat
             self.step += 1
             self.window += sums.cpu()
             self.window_tokens += tokens
