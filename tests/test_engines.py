@@ -43,6 +43,12 @@ def save_tiny_drafter(folder, layout="sglang", vocab=64, hidden=32, aux=(0, 1, 3
     return save_drafter(Eagle3Drafter(config), folder, layout, engines=("vLLM",))  # vLLM brings the embedding
 
 
+def test_the_vllm_venv_is_looked_for_where_make_vllm_setup_makes_it():
+    root = engines.VLLM_PYTHON.parents[2]
+    assert "VLLM_VENV := .venv-vllm" in (root / "Makefile").read_text()
+    assert engines.VLLM_PYTHON == root / ".venv-vllm" / "bin" / "python"
+
+
 def test_mismatched_checkpoints_are_refused_before_the_engine_starts(target_dir, tmp_path):
     cases = {
         r"vocab_size \(Vt\): drafter .* has 80, target .* has 64": dict(vocab=80),

@@ -351,6 +351,38 @@ def test_tree_verification_scores_each_node_as_its_own_sequence():
             torch.testing.assert_close(next_logits[b, 0], alone, atol=1e-5, rtol=1e-4)
 
 
+def test_a_packed_prefill_computes_what_one_prompt_a_row_computes(monkeypatch):
+    """Prompts packed into one row (attention within each, positions restarting) leave the same cache, aux
+    states and last logits as each prompt alone in its own left-padded row, and never compute padding."""
+    model, _ = random_pair(vocab=64, draft_vocab=24)
+    prompts = [[1, 2, 3], [60, 7, 7, 41, 9, 0], [5], list(range(9, 29))]
+
+    def prefilled(pack: bool) -> tuple[speculate.TargetBatch, list, tuple]:
+        monkeypatch.setattr(speculate, "PLAIN_HEAD_MODELS", frozenset({"llama"} if pack else ()))
+        batch, shapes = speculate.TargetBatch(model, aux_layer_ids=[0, 2]), []
+        forward = batch._forward
+
+        def counted(ids, *args, **kwargs):
+            shapes.append(ids.shape)
+            return forward(ids, *args, **kwargs)
+
+        monkeypatch.setattr(batch, "_forward", counted)
+        with torch.no_grad():
+            return batch, shapes, batch.prefill(prompts)
+
+    packed, packed_shapes, (logits, aux, _) = prefilled(True)
+    alone, alone_shapes, (logits_alone, aux_alone, _) = prefilled(False)
+    assert packed_shapes == [(1, 30)] and alone_shapes == [(4, 20)]  # 30 prompt tokens against 4 x 20
+    assert torch.equal(packed.valid, alone.valid) and torch.equal(packed.lengths, alone.lengths)
+    torch.testing.assert_close(logits, logits_alone, rtol=1e-5, atol=1e-6)
+    valid = alone.valid
+    torch.testing.assert_close(aux[valid], aux_alone[valid], rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(packed.cache.layers, alone.cache.layers, strict=True):
+        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            torch.testing.assert_close(a.transpose(1, 2)[valid], b.transpose(1, 2)[valid], rtol=1e-5,
+                                       atol=1e-6)
+
+
 def test_compacting_a_cache_keeps_what_each_sequence_attends_to():
     valid = torch.tensor([[False, True, False, True], [True, True, False, False]])
     keys = torch.arange(2 * 4, dtype=torch.float).reshape(2, 1, 4, 1)

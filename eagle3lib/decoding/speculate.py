@@ -34,7 +34,13 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from eagle3lib.data.readers import first_fit_decreasing
 from eagle3lib.drafter.config import default_aux_layer_ids
+
+# Targets whose logits are their output embedding applied to the final-normed states, nothing after it (no
+# soft-capping or scaling): their prompts are prefilled packed, the head applied to each prompt's last state
+PLAIN_HEAD_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+PREFILL_ROW_TOKENS = 1024  # a packed prefill row: its attention is computed whole, across prompts too
 
 # ---------------------------------------------------------------- checks before any decoding
 
@@ -275,10 +281,12 @@ class TargetBatch:
         self.lengths = torch.zeros(0, dtype=torch.long)  # [B] committed tokens = the next token's position
 
     def _forward(
-        self, input_ids: Tensor, allowed: Tensor, positions: Tensor, last_logits_only: bool = False
+        self, input_ids: Tensor, allowed: Tensor, positions: Tensor, last_logits_only: bool = False,
+        cache: DynamicCache | None = None, states: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        """Logits [B, n, Vt] (n = 1 with `last_logits_only`) and aux states [B, n, A*Ht] (None without aux
-        layers) of n new columns.
+        """Logits [B, n, Vt] (n = 1 with `last_logits_only`; with `states`, the final-normed states [B, n, Ht]
+        instead) and aux states [B, n, A*Ht] (None without aux layers) of n new columns, written to `cache`
+        (the batch's own by default).
 
         The aux states are the decoder layers' outputs taken with hooks, as `Target.capture` takes them for
         training data (HF's output_hidden_states puts the final-normed state where the last layer's output
@@ -295,24 +303,32 @@ class TargetBatch:
             return hook
 
         handles = [self._layers[i].register_forward_hook(keep(i)) for i in set(self.aux_layer_ids)]
+        inputs = {"input_ids": input_ids.to(device), "attention_mask": mask[:, None].to(device),
+                  "position_ids": positions.to(device), "use_cache": True,
+                  "past_key_values": self.cache if cache is None else cache}
         try:
-            logits = self.model(
-                input_ids.to(device), past_key_values=self.cache, use_cache=True,
-                attention_mask=mask[:, None].to(device), position_ids=positions.to(device),
-                logits_to_keep=1 if last_logits_only else 0,
-            ).logits
+            if states:
+                out = self.model.get_decoder()(**inputs).last_hidden_state
+            else:
+                out = self.model(**inputs, logits_to_keep=1 if last_logits_only else 0).logits
         finally:
             for handle in handles:
                 handle.remove()
         aux = torch.cat([outputs[i] for i in self.aux_layer_ids], dim=-1) if self.aux_layer_ids else None
-        return logits, aux
+        return out, aux
 
     def prefill(
         self, prompts: list[list[int]], reuse: PrefillCache | None = None
     ) -> tuple[Tensor, Tensor | None, float]:
-        """Left-padded prompts through the target: last-position logits [B, Vt], aux states [B, W, A*Ht]
-        (sequence b's in its last len(prompt b) rows) and the seconds it took (when `reuse` already held
-        this batch: the seconds it took then)."""
+        """The prompts through the target: last-position logits [B, Vt], aux states [B, W, A*Ht] (sequence
+        b's in its last len(prompt b) rows) and the seconds it took (when `reuse` already held this batch:
+        the seconds it took then).
+
+        Where the target's logits are its head over its final states (`PLAIN_HEAD_MODELS`), whole prompts
+        are computed packed, laid into rows of `PREFILL_ROW_TOKENS` (or the longest prompt) with attention
+        within each prompt and positions restarting with each, so that no padding is computed (32 ShareGPT
+        first turns: 2,168 tokens where left padding computes 32 x the longest); other targets get one
+        prompt a row. The keys and values then go into the cache left-padded to the longest prompt."""
         key = (tuple(map(tuple, prompts)), tuple(self.aux_layer_ids))
         if reuse is not None and key in reuse.found:
             logits, aux, kv, self.valid, self.lengths, seconds = reuse.found[key]
@@ -321,23 +337,58 @@ class TargetBatch:
             return logits, aux, seconds
         _sync(self.model.device)
         start = time.perf_counter()
-        width = max(len(p) for p in prompts)
-        pad = torch.tensor([width - len(p) for p in prompts])
-        input_ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
-        columns = torch.arange(width)
-        self.valid = columns[None] >= pad[:, None]
-        causal = torch.ones(width, width, dtype=torch.bool).tril()
-        # a padding row attends to itself: no row is fully masked, so nothing turns into NaN
-        allowed = self.valid[:, None, :] & causal | torch.eye(width, dtype=torch.bool)
-        # only the last position's logits: all of a prompt's would be [B, W, Vt], over a GB at batch 16
-        logits, aux = self._forward(input_ids, allowed, (columns[None] - pad[:, None]).clamp(min=0), True)
-        self.lengths = torch.tensor([len(p) for p in prompts])
-        _sync(self.model.device)
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        pack = self.model.config.get_text_config().model_type in PLAIN_HEAD_MODELS
+        pieces = [(n, b, 0) for b, n in enumerate(lengths)]
+        rows = first_fit_decreasing(pieces, max(width, PREFILL_ROW_TOKENS)) if pack else [[p] for p in pieces]
+        row_width = max(sum(n for n, _, _ in row) for row in rows)
+        input_ids = torch.zeros(len(rows), row_width, dtype=torch.long)
+        positions = torch.zeros(len(rows), row_width, dtype=torch.long)
+        allowed = torch.eye(row_width, dtype=torch.bool).repeat(len(rows), 1, 1)  # padding sees itself
+        # each prompt token's place in the packed rows (row, column) and in the cache (sequence, column)
+        packed_row, packed_column, cache_row, cache_column = [], [], [], []
+        ends = [0] * len(prompts)  # where each prompt's last token is in those lists
+        for r, row in enumerate(rows):
+            offset = 0 if pack else row_width - row[0][0]  # one prompt a row: left-padded, its end last
+            for n, b, _ in row:
+                span = slice(offset, offset + n)
+                input_ids[r, span], positions[r, span] = torch.tensor(prompts[b]), torch.arange(n)
+                allowed[r, span, span] = torch.ones(n, n, dtype=torch.bool).tril()
+                packed_row += [r] * n
+                packed_column += range(offset, offset + n)
+                cache_row += [b] * n
+                cache_column += range(width - n, width)
+                ends[b] = len(packed_row) - 1
+                offset += n
+        packed = DynamicCache(config=self.model.config)
+        out, packed_aux = self._forward(input_ids, allowed, positions, not pack, cache=packed, states=pack)
+        device = self.model.device
+        here = (torch.tensor(packed_row, device=device), torch.tensor(packed_column, device=device))
+        there = (torch.tensor(cache_row, device=device), torch.tensor(cache_column, device=device))
+        for i, layer in enumerate(packed.layers):  # [R, Hkv, row_width, D] -> [B, Hkv, width, D]
+            moved = []
+            for states in (layer.keys, layer.values):
+                cached = states.new_zeros(len(prompts), states.shape[1], width, states.shape[3])
+                cached[there[0], :, there[1]] = states[here[0], :, here[1]]
+                moved.append(cached)
+            self.cache.update(*moved, i)
+        aux = None
+        if packed_aux is not None:
+            aux = packed_aux.new_zeros(len(prompts), width, packed_aux.shape[-1])
+            aux[there] = packed_aux[here]
+        if pack:
+            logits = self.model.get_output_embeddings()(out[here[0][ends], here[1][ends]])
+        else:  # row b is sequence b
+            logits = out[:, -1]
+        self.valid = torch.arange(width)[None] >= torch.tensor([width - n for n in lengths])[:, None]
+        self.lengths = torch.tensor(lengths)
+        _sync(device)
         seconds = time.perf_counter() - start
         if reuse is not None:
             kv = [(layer.keys, layer.values) for layer in self.cache.layers]
-            reuse.found[key] = (logits[:, -1], aux, kv, self.valid, self.lengths, seconds)
-        return logits[:, -1], aux, seconds
+            reuse.found[key] = (logits, aux, kv, self.valid, self.lengths, seconds)
+        return logits, aux, seconds
 
     def verify(self, tokens: Tensor, ancestors: Tensor, depths: Tensor) -> tuple[Tensor, Tensor | None]:
         """Score a tree per sequence (tokens [B, N], node 0 the root) in one forward: each node sees its
