@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3lib import devices
-from eagle3lib.target.model import Target, TargetError, resolve_dtype
+from eagle3lib.decoding.speculate import decode_target_only
+from eagle3lib.target.model import PackedLinear, Target, TargetError, pack_linears, resolve_dtype
 from eagle3lib.training.trainer import autocast_dtype
 
 N_LAYERS = 8
@@ -176,3 +177,27 @@ def test_shared_kv_attention_is_hf_sdpa_bit_for_bit(target):
 
 def test_loading_installs_shared_kv_attention():
     assert Target.load("zoo:tiny-llama", device="cpu").model.config._attn_implementation == "sdpa_shared_kv"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linears_compute_what_the_model_computed_and_keep_its_weights(dtype):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    ids = torch.randint(0, 96, (3, 11))
+    with torch.no_grad():
+        before = model(ids).logits
+    prompts = [[5, 9, 2], [7] * 6, [1]]
+    greedy = [g.tokens for g in decode_target_only(model, prompts, 12).generations]
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    assert pack_linears(model) == linears == 2 * 7 + 1
+    assert isinstance(model.lm_head, PackedLinear) and model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        after = model(ids).logits
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(after, before, **tolerance)  # the same products, blocked differently
+    assert [g.tokens for g in decode_target_only(model, prompts, 12).generations] == greedy
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
