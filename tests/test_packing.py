@@ -151,4 +151,3 @@ def test_a_cpu_trainer_gives_freed_tensors_back_where_glibc_would_keep_them():
         pytest.skip("the C library is not glibc: its heap is not the one trim_heap trims")
     assert int(returned("default")) < 16 << 20  # the cause: 64 MiB freed, kept by the heap
     assert int(trimmed) >= 48 << 20  # the 32 freed 2 MiB tensors, handed back
-

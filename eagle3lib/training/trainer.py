@@ -394,7 +394,7 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-            if self.drafter.lm_head.weight.device.type == "cpu":
+            if procs.device.type == "cpu":
                 trim_heap()  # tensors of many sizes every step: keep the resident set flat
             self.step += 1
             self.window += sums.cpu()
