@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: setup demo regenerated-datasets chat-drafter test lint check-notebooks lab report-check vllm-setup vllm-check bench-venv bench \
+.PHONY: setup demo regenerated-datasets chat-drafter test lint check-notebooks lab report-check vllm-setup vllm-check vllm-server-check bench-venv bench \
 	gpu-check interop-venv interop-check
 
 setup: $(STAMP)
@@ -83,6 +83,12 @@ $(VLLM_STAMP):
 # the built-in engine on the same prompts; fails when the two τ differ by more than 5 %.
 vllm-check: setup vllm-setup
 	$(PY) bench/vllm_check.py $(VLLM_CHECK_ARGS)
+
+# A thinking target (the zoo's SmolLM2 with Qwen3-Thinking-2507's template) behind a real `vllm serve` with its
+# reasoning parser: `eagle3 regenerate --engine server` saves the reasoning apart, renders every history as the
+# server does, and trains it in the loss (about 2 minutes).
+vllm-server-check: setup vllm-setup
+	$(PY) bench/vllm_server_check.py
 
 # Benchmarks: each script prints its figures (bench/RESULTS.md keeps the latest). The training-step
 # comparison with speculators runs in its own venv: speculators 0.9.0 is not a dependency of eagle3lib.

@@ -466,6 +466,17 @@ def value_checks(section: type = Params, prefix: str = "") -> dict[str, Callable
     return found
 
 
+def free_mappings(section: type = Params, prefix: str = "") -> tuple[str, ...]:
+    """The dotted keys of the settings whose value is a mapping of the recipe's own keys (not a section)."""
+    found = ()
+    for f in fields(section):
+        if _is_section(f):
+            found += free_mappings(f.default_factory, f"{prefix}{f.name}.")
+        elif isinstance(getattr(section(), f.name), dict):
+            found += (f"{prefix}{f.name}",)
+    return found
+
+
 def _is_section(f: Field) -> bool:
     return callable(f.default_factory) and is_dataclass(f.default_factory)
 
@@ -475,6 +486,7 @@ ONLINE_TEXT_KEYS = keys_with(DataSection, "decides_text")
 STAND_IN_DATA_KEYS = keys_with(DataSection, "decides_stand_in")
 STAND_IN_TRAIN_KEYS = keys_with(TrainSection, "decides_stand_in")
 VALUE_CHECKS = value_checks()
+FREE_MAPPINGS = free_mappings()
 
 
 def check_positive(section: str, settings: dict) -> None:
@@ -541,7 +553,9 @@ def _merge(where: str, base: dict, update: dict, prefix: str = "") -> None:
         if key not in base:
             known = ", ".join(sorted(base))
             raise ParamsError(f"{where}: unknown key '{dotted}' (known here: {known})")
-        if isinstance(base[key], dict):
+        if dotted in FREE_MAPPINGS:  # keys of the recipe's own (a template's switches): merged, unchecked
+            base[key] = {**base[key], **_check_type(where, dotted, base[key], value)}
+        elif isinstance(base[key], dict):
             _merge(where, base[key], value, prefix=f"{dotted}.")
         else:
             base[key] = _check_type(where, dotted, base[key], value)

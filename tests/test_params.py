@@ -59,3 +59,18 @@ def test_value_checks_come_from_the_flags():
 
 def test_each_step_names_a_notebook():
     assert [path.stem for path in runs.notebook_paths()] == list(runs.STEPS)
+
+
+def test_a_template_switch_mapping_takes_the_recipes_own_keys(tmp_path):
+    """data.chat_template_kwargs holds the template's switches, whatever they are called: a recipe sets them,
+    overrides add to them; a section's mapping (train.scratch) still refuses a key it does not have."""
+    recipe = tmp_path / "thinking.yaml"
+    recipe.write_text("data:\n  chat_template_kwargs: {enable_thinking: true}\n")
+    assert load_params(recipe)["data"]["chat_template_kwargs"] == {"enable_thinking": True}
+    both = load_params(recipe, ["data.chat_template_kwargs.thinking=false"])
+    assert both["data"]["chat_template_kwargs"] == {"enable_thinking": True, "thinking": False}
+    assert params.FREE_MAPPINGS == ("data.chat_template_kwargs",)
+    with pytest.raises(ParamsError, match="'data.chat_template_kwargs' expects dict"):
+        load_params(None, ["data.chat_template_kwargs=true"])
+    with pytest.raises(ParamsError, match="unknown key 'train.scratch.heads'"):
+        load_params(None, ["train.scratch.heads=3"])

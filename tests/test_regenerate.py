@@ -73,11 +73,40 @@ def test_every_assistant_turn_is_the_targets_own_reply_on_the_regenerated_histor
     assert first[2]["content"] != "Blue."
     counts = manifest["counts"]
     assert counts["conversations"] == 3 and counts["replies"] == 4
+    assert counts["replies_rendered_unlike_emitted"] == 0  # SmolLM2's template renders a reply as it is
     assert manifest["complete"] and manifest["target"]["fingerprint"] == tiny.fingerprint
     assert manifest["settings"]["max_new_tokens"] == 6 and manifest["source"] == SOURCE_FACTS
     assert json.loads((tmp_path / "out.manifest.json").read_text()) == manifest
     # read back as a conversation file: SpecForge's `conversations` of role/content messages
     assert [c.id for c in read_conversations(tmp_path / "out.jsonl")] == ["a", "b", "c"]
+
+
+def test_a_reply_cut_at_its_length_limit_trains_no_end_of_turn_it_never_emitted(tiny, tmp_path, monkeypatch):
+    replies = iter([regen.Reply("Green and", 6, False), regen.Reply("Red.", 3, True)])
+    monkeypatch.setattr(regen.BuiltinEngine, "replies",
+                        lambda self, requests: [next(replies) for _ in requests])
+    run(tiny, tmp_path / "out.jsonl", source=SOURCE[:1])
+    written = next(read_conversations(tmp_path / "out.jsonl"))
+    assert written.messages[2] == {"role": "assistant", "content": "Green and", "finished": False}
+    assert written.messages[4] == {"role": "assistant", "content": "Red."}
+    renderer = ChatRenderer(tiny.tokenizer, tiny.stop_token_ids)
+    [sample] = renderer.samples(written, 4096)  # SmolLM2's template: one sample, both turns in the loss
+    learnt = tiny.tokenizer.decode([t for t, m in zip(sample.input_ids, sample.loss_mask, strict=True) if m])
+    assert learnt == "Green andRed.<|im_end|>"  # the cut turn's <|im_end|> stays in the context only
+    assert "Green and<|im_end|>" in tiny.tokenizer.decode(sample.input_ids)
+    per_turn = ChatRenderer(tiny.tokenizer, tiny.stop_token_ids, turns="per-turn").samples(written, 4096)
+    assert [tiny.tokenizer.decode([t for t, m in zip(s.input_ids, s.loss_mask, strict=True) if m])
+            for s in per_turn] == ["Green and", "Red.<|im_end|>"]
+
+
+def test_a_reply_the_template_renders_unlike_its_emission_is_counted(thinking, tmp_path, monkeypatch):
+    """Qwen3's template strips the newlines around a turn's reasoning and before its content: a reply that
+    emitted more trains a token unlike itself, and the manifest says how many did."""
+    emitted = iter(["<think>\nA colour.\n</think>\n\nGreen.", "<think>\n\nA colour.\n</think>\n\n\nRed."])
+    monkeypatch.setattr(regen.BuiltinEngine, "replies",
+                        lambda self, requests: [regen.Reply(next(emitted), 9, True) for _ in requests])
+    manifest = run(thinking, tmp_path / "out.jsonl", source=SOURCE[:1])
+    assert manifest["counts"]["replies"] == 2 and manifest["counts"]["replies_rendered_unlike_emitted"] == 1
 
 
 def test_an_interrupted_regeneration_continues_and_leaves_written_ones_untouched(tiny, tmp_path, monkeypatch):

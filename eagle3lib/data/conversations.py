@@ -337,6 +337,8 @@ def _message(turn, where: str) -> dict:
             message[key] = str(turn[key])
     if turn.get("weight", 1) == 0 or turn.get("loss", True) is False:
         message["train"] = False
+    if turn.get("finished") is False and message["role"] == "assistant":
+        message["finished"] = False  # a reply cut at its length limit (regenerated data): no end of turn
     return message
 
 
@@ -514,8 +516,8 @@ class ChatRenderer:
         return turns[-1:] if self.loss_turns == "last" else turns
 
     def completion(self, messages, k: int, tools=()) -> tuple[str, str]:
-        """(the prompt of assistant turn k, what the model emits after it through its end-of-turn token),
-        both read off the template."""
+        """(the prompt of assistant turn k, what the model emits after it through its end-of-turn token, or
+        up to it where the turn was cut at a length limit: `finished: false`), both read off the template."""
         prompt = self.text(messages[:k], add_generation_prompt=True, tools=tools)
         as_last = self.text(messages[: k + 1], tools=tools)
         reasoning = messages[k].get("reasoning_content", "")
@@ -544,6 +546,8 @@ class ChatRenderer:
             raise RenderError("the chat template does not end an assistant turn with an end-of-turn token",
                               f"turn {k}: {emitted[-60:]!r}")
         at, stop = min(stops)  # the model stops there: what the template adds after it is not emitted
+        if messages[k].get("finished", True) is False:  # cut at its length limit: it did not stop there
+            return prompt, emitted[:at]
         return prompt, emitted[: at + len(stop)]
 
     def samples(self, conversation: Conversation, seq_len: int) -> list[Rendered]:

@@ -128,7 +128,28 @@ def assistant_message(reply: Reply, mode: str) -> dict:
         message["reasoning_content"] = reasoning
     if reply.tool_calls:
         message["tool_calls"] = reply.tool_calls
+    if not reply.finished:  # cut at max_new_tokens: the model did not end its turn, so training must not
+        message["finished"] = False  # teach the end-of-turn token the template writes after it
     return message
+
+
+def rendered_as_emitted(renderer: ChatRenderer, messages: list[dict], answer: dict, reply: Reply,
+                        mode: str, tools=()) -> bool:
+    """Whether the template renders the new turn, where training reads it, as the model emitted it. A
+    template that trims the content (Llama 3.1) or strips newlines around the reasoning (Qwen3) trains a
+    reply that opens or ends with whitespace a token unlike its emission: counted, not silent. Replies whose
+    reasoning is dropped or whose tool calls the template writes from their parsed form are not compared."""
+    if mode == "drop" or reply.tool_calls:
+        return True
+    emitted = reply.text if reply.reasoning is None else reply.reasoning + THINK_CLOSE + reply.text
+    try:
+        _, rendered = renderer.completion([*messages, answer], len(messages), tools)
+    except RenderError:
+        return True  # the training side skips it and counts why
+    if reply.finished:
+        ends = [stop for stop in renderer.stop_texts if rendered.endswith(stop)]
+        rendered = rendered.removesuffix(ends[0]) if ends else rendered
+    return rendered == emitted
 
 
 # ---------------------------------------------------------------- engines
@@ -453,7 +474,8 @@ def _finished(out: Path, wanted: dict) -> dict | None:
 
 
 EMPTY_COUNTS = {"conversations": 0, "replies": 0, "reply_tokens": 0, "replies_cut_at_max_new_tokens": 0,
-                "template_tokens": 0, "skipped": {}, "turns_not_answered": {}, "seconds": 0.0}
+                "replies_rendered_unlike_emitted": 0, "template_tokens": 0, "skipped": {},
+                "turns_not_answered": {}, "seconds": 0.0}
 
 
 def _resume(partial: Path, manifest_file: Path, identity: dict) -> tuple[list[str], dict, str | None]:
@@ -473,7 +495,8 @@ def _resume(partial: Path, manifest_file: Path, identity: dict) -> tuple[list[st
         raise RegenerationError(f"{partial} was made with other inputs or settings ({'; '.join(changed)}); "
                                 "put them back to continue it, or write to another file")
     done = read_partial(partial, earlier["lines"])
-    return done, earlier["counts"], earlier.get("last", done[-1])
+    counts = {**json.loads(json.dumps(EMPTY_COUNTS)), **earlier["counts"]}  # a count added since: from 0
+    return done, counts, earlier.get("last", done[-1])
 
 
 def _after(stream: Iterator[Conversation], last: str | None) -> Iterator[Conversation]:
@@ -540,6 +563,8 @@ def _regenerate_chunk(
             counts["replies"] += 1
             counts["reply_tokens"] += reply.tokens
             counts["replies_cut_at_max_new_tokens"] += not reply.finished
+            counts["replies_rendered_unlike_emitted"] += not rendered_as_emitted(
+                renderer, request.messages, answer, reply, settings.reasoning, request.tools)
     for conversation, history, ask, reason in zip(batch, histories, asks, failed, strict=True):
         unanswered["beyond max_turns"] += len(ask) - len(ask[: settings.max_turns or None])
         if reason:
