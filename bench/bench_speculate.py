@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3lib.decoding import engines, probe, speculate
+from eagle3lib.decoding import batches, engines, probe, speculate
 from eagle3lib.drafter.checkpoint import load_drafter
 from eagle3lib.reports import publish
 from eagle3lib.target.model import Target
@@ -65,7 +65,7 @@ def main() -> None:
     drafter, _ = load_drafter(drafter_path, dtype=target.dtype)
     single: dict[int, float] = {}
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        reuse = speculate.PrefillCache()  # every K of this batching shares its prefill and its baseline
+        reuse = batches.PrefillCache()  # every K of this batching shares its prefill and its baseline
         baseline = None
         for steps in (int(k) for k in args.steps.split(",")):
             settings = speculate.DraftSettings(steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens)

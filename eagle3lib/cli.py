@@ -388,7 +388,8 @@ def _probe(args: argparse.Namespace) -> int:
     import json
 
     from eagle3lib.decoding import engines, evaluate
-    from eagle3lib.decoding.speculate import DraftSettings, PrefillCache
+    from eagle3lib.decoding.batches import PrefillCache
+    from eagle3lib.decoding.speculate import DraftSettings
 
     target, tokenizer = engines.open_target(args.target, "builtin", args.dtype, args.device)
     reply = engines.target_replies(target, args.max_new_tokens, args.batch_size)

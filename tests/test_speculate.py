@@ -24,7 +24,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer
 
-from eagle3lib.decoding import probe, speculate
+from eagle3lib.decoding import batches, probe, speculate
 from eagle3lib.decoding.speculate import DraftSettings, DraftTree, SpeculativeDecoder
 from eagle3lib.drafter.checkpoint import load_drafter, save_drafter
 from eagle3lib.drafter.config import DrafterConfig
@@ -210,7 +210,7 @@ def test_probe_counts_the_same_at_every_batch_size():
     assert results[0]["matches_target"] == 1.0 and results[0]["tau_interval_unit"] == "rounds"
     assert results[0]["tau_low"] <= results[0]["tau"] <= results[0]["tau_high"]
     # a prefill kept from the first probe serves the next ones: same outputs, its seconds charged again
-    reuse = speculate.PrefillCache()
+    reuse = batches.PrefillCache()
     first = probe.probe(model, drafter, PROMPTS, SETTINGS["chain-3"], 30, warmup=False, reuse=reuse)
     again = probe.probe(model, drafter, PROMPTS, SETTINGS["chain-3"], 30, warmup=False, reuse=reuse,
                             baseline=first.baseline)
@@ -323,7 +323,7 @@ def test_tree_verification_scores_each_node_as_its_own_sequence():
         DraftTree(tokens=torch.tensor([3, 3, 8, 50, 9, 1, 1]), parents=[-1, 0, 1, 2, 0, 4, 3],
                   depths=torch.tensor([0, 1, 2, 3, 1, 2, 4]), draft_probs=None),
     ]
-    batch = speculate.TargetBatch(model, aux_layer_ids=[])
+    batch = batches.TargetBatch(model, aux_layer_ids=[])
     with torch.no_grad():
         batch.prefill(prefixes)
         logits, _ = batch.verify(
@@ -357,9 +357,9 @@ def test_a_packed_prefill_computes_what_one_prompt_a_row_computes(monkeypatch):
     model, _ = random_pair(vocab=64, draft_vocab=24)
     prompts = [[1, 2, 3], [60, 7, 7, 41, 9, 0], [5], list(range(9, 29))]
 
-    def prefilled(pack: bool) -> tuple[speculate.TargetBatch, list, tuple]:
-        monkeypatch.setattr(speculate, "PLAIN_HEAD_MODELS", frozenset({"llama"} if pack else ()))
-        batch, shapes = speculate.TargetBatch(model, aux_layer_ids=[0, 2]), []
+    def prefilled(pack: bool) -> tuple[batches.TargetBatch, list, tuple]:
+        monkeypatch.setattr(batches, "PLAIN_HEAD_MODELS", frozenset({"llama"} if pack else ()))
+        batch, shapes = batches.TargetBatch(model, aux_layer_ids=[0, 2]), []
         forward = batch._forward
 
         def counted(ids, *args, **kwargs):
@@ -386,7 +386,7 @@ def test_a_packed_prefill_computes_what_one_prompt_a_row_computes(monkeypatch):
 def test_compacting_a_cache_keeps_what_each_sequence_attends_to():
     valid = torch.tensor([[False, True, False, True], [True, True, False, False]])
     keys = torch.arange(2 * 4, dtype=torch.float).reshape(2, 1, 4, 1)
-    compact, (moved,) = speculate.compact_columns(valid, [keys])
+    compact, (moved,) = batches.compact_columns(valid, [keys])
     assert compact.tolist() == [[True, True], [True, True]]
     assert moved[:, 0, :, 0].tolist() == [[1.0, 3.0], [4.0, 5.0]]
 
@@ -395,7 +395,7 @@ def test_append_layer_holds_what_hf_dynamic_layer_holds():
     """Appends past the buffer's room, crops, batch selection and a replaced view (as compaction does)
     leave the in-place cache holding exactly what HF's concatenating one holds."""
     torch.manual_seed(0)
-    appended, concatenated = speculate.AppendLayer(), DynamicLayer()
+    appended, concatenated = batches.AppendLayer(), DynamicLayer()
     appended.room = 3  # runs out of room every few steps
 
     def both(action):
@@ -423,7 +423,7 @@ def test_append_layer_holds_what_hf_dynamic_layer_holds():
 def test_draft_tree_shapes():
     model, drafter = random_pair(vocab=64, draft_vocab=24)
     decoder = SpeculativeDecoder(model, drafter, DraftSettings(steps=4, topk=3, num_draft_tokens=9))
-    batch = speculate.DrafterBatch(drafter)
+    batch = batches.DrafterBatch(drafter)
     with torch.no_grad():
         hidden = torch.randn(2, 5, drafter.config.fc_in_features)
         positions = torch.arange(1, 6)[None].expand(2, 5)

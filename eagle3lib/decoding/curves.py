@@ -43,7 +43,7 @@ class Validation:
     def __init__(self, target, benchmarks: list[Benchmark], num_prompts: int, max_new_tokens: int,
                  settings: DraftSettings, batch_size: int, seed: int = 0, prompt_chars: int = 600,
                  template_kwargs: dict | None = None):
-        from eagle3lib.decoding import engines, speculate
+        from eagle3lib.decoding import batches, engines
 
         self.target, self.settings, self.max_new_tokens = target, settings, max_new_tokens
         self.batch_size, self.seed = batch_size, seed
@@ -54,7 +54,7 @@ class Validation:
             for b in benchmarks
         }
         self.num_prompts = num_prompts
-        self._reuse = {name: speculate.PrefillCache() for name in self.prompts}
+        self._reuse = {name: batches.PrefillCache() for name in self.prompts}
         self._baseline: dict[str, list | None] = dict.fromkeys(self.prompts)
 
     @property
@@ -209,7 +209,7 @@ def learning_curve(
     the loss it had trained on by then (the `rows` of its metrics.jsonl): what more training data buys.
     Written to `<arm>/learning_curve.json`."""
     from eagle3lib import files
-    from eagle3lib.decoding import engines, speculate
+    from eagle3lib.decoding import batches, engines
 
     arm_folder = Path(arm_folder)
     logged = files.read_json_lines(arm_folder / "metrics.jsonl")
@@ -222,7 +222,7 @@ def learning_curve(
     found = {}
     for benchmark in benchmarks:
         prompts = engines.probe_prompts(tokenizer, benchmark.corpus, benchmark.num_prompts, 600, True, reply)
-        reuse, baseline, rows = speculate.PrefillCache(), None, []
+        reuse, baseline, rows = batches.PrefillCache(), None, []
         for step, drafter in points:
             result = engines.probe("builtin", target, drafter, prompts, settings, max_new_tokens,
                                    batch_size=batch_size, baseline=baseline, reuse=reuse)

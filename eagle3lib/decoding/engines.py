@@ -171,7 +171,7 @@ def probe(
 ) -> EngineResult:
     """Probe `drafter` against `target` (as `open_target` gives it) on `prompts` with one backend: builtin
     (`eagle3lib.decoding.probe`, `batch_size` prompts at a time, with the target-only baseline, decoded here
-    unless an earlier result's `baseline` is given; `reuse`: a `speculate.PrefillCache` shared between
+    unless an earlier result's `baseline` is given; `reuse`: a `batches.PrefillCache` shared between
     probes of the same prompts), vllm or sglang."""
     from eagle3lib.files import resolve_path
 

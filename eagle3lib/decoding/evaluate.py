@@ -390,7 +390,7 @@ def evaluate_drafters(
     """Probe every drafter on every benchmark (`evaluate.benchmarks`) with `probe`'s target and settings,
     compare them pairwise per benchmark, sweep draft depths on the first benchmark (builtin), and set the τ
     training predicted beside the τ measured."""
-    from eagle3lib.decoding import engines, speculate
+    from eagle3lib.decoding import batches, engines
 
     p, e = params["probe"], params["evaluate"]
     dtype = p["dtype"] or params["target"]["dtype"]
@@ -404,7 +404,7 @@ def evaluate_drafters(
             template_kwargs=params["data"]["chat_template_kwargs"],
         )
         prompt_counts[benchmark.name] = len(prompts)
-        reuse = speculate.PrefillCache() if builtin else None  # one target prefill serves every probe
+        reuse = batches.PrefillCache() if builtin else None  # one target prefill serves every probe
         state = {"baseline": None}  # one target-only decoding of the prompts serves every drafter
 
         def probe(path, draft_settings, work_dir, prompts=prompts, reuse=reuse, state=state):
@@ -455,11 +455,11 @@ def sweep_depths(
 ) -> dict[str, dict[str, dict]]:
     """Every drafter at every setting of the K sweep, `evaluate.sweep_batch_size` prompts at a time (1: one
     user's latency, where a CPU's speculation pays; a batch of 16 is compute-bound here) on `prompts`."""
-    from eagle3lib.decoding import engines, speculate
+    from eagle3lib.decoding import batches, engines
 
     p, e = params["probe"], params["evaluate"]
     grid = depth_grid(e["sweep_steps"], e["sweep_tree"], p["temperature"])
-    reuse, baseline, sweeps = speculate.PrefillCache(), None, {}
+    reuse, baseline, sweeps = batches.PrefillCache(), None, {}
     for name, path in drafters.items():
         sweeps[name] = {}
         for label, settings in grid.items():

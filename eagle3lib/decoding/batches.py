@@ -1,0 +1,297 @@
+"""B sequences decoding together in one KV cache each: the target's and the drafter's.
+
+Column c of a cache holds one position of every sequence, and `valid[b, c]` says whether it is part of
+sequence b: left padding and rejected drafts stay as masked holes instead of being cut out row by row, and are
+compacted away when they dominate. The target's cache layers append into spare room of a buffer
+(`AppendLayer`) instead of concatenating at every step; its prompts are prefilled packed where its head allows
+(`TargetBatch.prefill`), and a prefill is kept for every drafter probed on the same prompts (`PrefillCache`).
+What runs on these batches, the drafts, the verification and the decoding loops, is `decoding.speculate`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from eagle3lib.data.readers import first_fit_decreasing
+
+# Targets whose logits are their output embedding applied to the final-normed states, nothing after it (no
+# soft-capping or scaling): their prompts are prefilled packed, the head applied to each prompt's last state
+PLAIN_HEAD_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+PREFILL_ROW_TOKENS = 1024  # a packed prefill row: its attention is computed whole, across prompts too
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device, so that a time taken after it counts the work queued before it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def compact_columns(valid: Tensor, tensors: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    """Move each row's valid cache columns (dim 2 of [B, heads, C, head_dim] tensors) to the front, in order.
+
+    Attention is indifferent to the order of its keys (positions are in the rotary embedding already), so
+    this only drops the holes that rejected drafts and prompt padding leave.
+    """
+    counts = valid.sum(1)
+    width = int(counts.max())
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    index = order.to(tensors[0].device)[:, None, :, None]
+    moved = [t.gather(2, index.expand(t.shape[0], t.shape[1], width, t.shape[3])) for t in tensors]
+    return torch.arange(width, device=valid.device)[None] < counts[:, None], moved
+
+
+def _holes_dominate(valid: Tensor) -> bool:
+    """Compact once more than half of the columns are holes (and there are enough to matter)."""
+    return valid.shape[1] > 2 * int(valid.sum(1).max()) + 32
+
+
+class PrefillCache:
+    """The target's prefill of prompt batches, kept so that every drafter and depth probed on the same
+    prompts reuses it instead of recomputing it (on a CPU the prefill of long chat prompts costs as much as
+    the decoding). A reused prefill is charged the seconds it took when it ran, so speeds stay honest."""
+
+    def __init__(self) -> None:
+        self.found: dict = {}
+
+
+class AppendLayer(DynamicLayer):
+    """A KV cache layer that writes new columns into spare room of a buffer instead of concatenating:
+    HF's `DynamicLayer` copies the whole layer cache at every step. `keys` and `values` are views of the
+    buffer's filled columns. Cropping shortens the views, so the next step writes over the columns cropped
+    away and never over columns still in view (a reused prefill keeps such views, see `TargetBatch`); a
+    view replaced from outside (batch selection, compaction) is moved into a new buffer on the next step."""
+
+    room = 256  # spare columns allocated with every new buffer
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.buffers: tuple[Tensor, Tensor] | None = None
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        filled = self.get_seq_length()
+        end = filled + key_states.shape[-2]
+        if not self._appendable(end):
+            self.buffers = tuple(
+                self._new_buffer(old, new, filled, end + self.room)
+                for old, new in ((self.keys, key_states), (self.values, value_states))
+            )
+        for buffer, new in zip(self.buffers, (key_states, value_states), strict=True):
+            buffer[..., filled:end, :] = new
+        self.keys, self.values = (buffer[..., :end, :] for buffer in self.buffers)
+        return self.keys, self.values
+
+    def _appendable(self, end: int) -> bool:
+        """The views are still views of the buffer, and it has room for `end` columns."""
+        if self.buffers is None:
+            return False
+        keys = self.buffers[0]
+        return end <= keys.shape[-2] and self.keys.data_ptr() == keys.data_ptr()
+
+    @staticmethod
+    def _new_buffer(old: Tensor, new: Tensor, filled: int, columns: int) -> Tensor:
+        buffer = new.new_empty(new.shape[0], new.shape[1], columns, new.shape[3])
+        if filled:
+            buffer[..., :filled, :] = old
+        return buffer
+
+
+class TargetBatch:
+    """B sequences decoding together in one Hugging Face KV cache.
+
+    Column c of the cache holds one position of every sequence, and `valid[b, c]` says whether it is part of
+    sequence b: left padding of short prompts and rejected drafts stay in the cache as masked holes instead
+    of being cut out row by row. Every forward passes its own 4D mask (the valid columns, plus the tree's
+    ancestors among the new ones) and explicit position ids, so each sequence computes exactly what it
+    would alone. Trailing columns no sequence kept are cropped; holes are compacted when they dominate.
+    """
+
+    def __init__(self, model: PreTrainedModel, aux_layer_ids: list[int]):
+        self.model, self.aux_layer_ids = model, aux_layer_ids
+        self._layers = model.get_decoder().layers
+        self.cache = DynamicCache(config=model.config)
+        if all(type(layer) is DynamicLayer for layer in self.cache.layers):  # sliding-window layers stay HF's
+            self.cache.layers = [AppendLayer() for _ in self.cache.layers]
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [B, columns]
+        self.lengths = torch.zeros(0, dtype=torch.long)  # [B] committed tokens = the next token's position
+
+    def _forward(
+        self, input_ids: Tensor, allowed: Tensor, positions: Tensor, last_logits_only: bool = False,
+        cache: DynamicCache | None = None, states: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Logits [B, n, Vt] (n = 1 with `last_logits_only`; with `states`, the final-normed states [B, n, Ht]
+        instead) and aux states [B, n, A*Ht] (None without aux layers) of n new columns, written to `cache`
+        (the batch's own by default).
+
+        The aux states are the decoder layers' outputs taken with hooks, as `Target.capture` takes them for
+        training data (HF's output_hidden_states puts the final-normed state where the last layer's output
+        would be)."""
+        device, dtype = self.model.device, self.model.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        outputs: dict[int, Tensor] = {}
+
+        def keep(layer_id: int):
+            def hook(module, args, output):
+                outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+
+            return hook
+
+        handles = [self._layers[i].register_forward_hook(keep(i)) for i in set(self.aux_layer_ids)]
+        inputs = {"input_ids": input_ids.to(device), "attention_mask": mask[:, None].to(device),
+                  "position_ids": positions.to(device), "use_cache": True,
+                  "past_key_values": self.cache if cache is None else cache}
+        try:
+            if states:
+                out = self.model.get_decoder()(**inputs).last_hidden_state
+            else:
+                out = self.model(**inputs, logits_to_keep=1 if last_logits_only else 0).logits
+        finally:
+            for handle in handles:
+                handle.remove()
+        aux = torch.cat([outputs[i] for i in self.aux_layer_ids], dim=-1) if self.aux_layer_ids else None
+        return out, aux
+
+    def prefill(
+        self, prompts: list[list[int]], reuse: PrefillCache | None = None
+    ) -> tuple[Tensor, Tensor | None, float]:
+        """The prompts through the target: last-position logits [B, Vt], aux states [B, W, A*Ht] (sequence
+        b's in its last len(prompt b) rows) and the seconds it took (when `reuse` already held this batch:
+        the seconds it took then).
+
+        Where the target's logits are its head over its final states (`PLAIN_HEAD_MODELS`), whole prompts
+        are computed packed, laid into rows of `PREFILL_ROW_TOKENS` (or the longest prompt) with attention
+        within each prompt and positions restarting with each, so that no padding is computed (32 ShareGPT
+        first turns: 2,168 tokens where left padding computes 32 x the longest); other targets get one
+        prompt a row. The keys and values then go into the cache left-padded to the longest prompt."""
+        key = (tuple(map(tuple, prompts)), tuple(self.aux_layer_ids))
+        if reuse is not None and key in reuse.found:
+            logits, aux, kv, self.valid, self.lengths, seconds = reuse.found[key]
+            for i, (keys, values) in enumerate(kv):  # later rounds never write into these tensors in place
+                self.cache.update(keys, values, i)
+            return logits, aux, seconds
+        sync(self.model.device)
+        start = time.perf_counter()
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        pack = self.model.config.get_text_config().model_type in PLAIN_HEAD_MODELS
+        pieces = [(n, b, 0) for b, n in enumerate(lengths)]
+        rows = first_fit_decreasing(pieces, max(width, PREFILL_ROW_TOKENS)) if pack else [[p] for p in pieces]
+        row_width = max(sum(n for n, _, _ in row) for row in rows)
+        input_ids = torch.zeros(len(rows), row_width, dtype=torch.long)
+        positions = torch.zeros(len(rows), row_width, dtype=torch.long)
+        allowed = torch.eye(row_width, dtype=torch.bool).repeat(len(rows), 1, 1)  # padding sees itself
+        # each prompt token's place in the packed rows (row, column) and in the cache (sequence, column)
+        packed_row, packed_column, cache_row, cache_column = [], [], [], []
+        ends = [0] * len(prompts)  # where each prompt's last token is in those lists
+        for r, row in enumerate(rows):
+            offset = 0 if pack else row_width - row[0][0]  # one prompt a row: left-padded, its end last
+            for n, b, _ in row:
+                span = slice(offset, offset + n)
+                input_ids[r, span], positions[r, span] = torch.tensor(prompts[b]), torch.arange(n)
+                allowed[r, span, span] = torch.ones(n, n, dtype=torch.bool).tril()
+                packed_row += [r] * n
+                packed_column += range(offset, offset + n)
+                cache_row += [b] * n
+                cache_column += range(width - n, width)
+                ends[b] = len(packed_row) - 1
+                offset += n
+        packed = DynamicCache(config=self.model.config)
+        out, packed_aux = self._forward(input_ids, allowed, positions, not pack, cache=packed, states=pack)
+        device = self.model.device
+        here = (torch.tensor(packed_row, device=device), torch.tensor(packed_column, device=device))
+        there = (torch.tensor(cache_row, device=device), torch.tensor(cache_column, device=device))
+        for i, layer in enumerate(packed.layers):  # [R, Hkv, row_width, D] -> [B, Hkv, width, D]
+            moved = []
+            for states in (layer.keys, layer.values):
+                cached = states.new_zeros(len(prompts), states.shape[1], width, states.shape[3])
+                cached[there[0], :, there[1]] = states[here[0], :, here[1]]
+                moved.append(cached)
+            self.cache.update(*moved, i)
+        aux = None
+        if packed_aux is not None:
+            aux = packed_aux.new_zeros(len(prompts), width, packed_aux.shape[-1])
+            aux[there] = packed_aux[here]
+        if pack:
+            logits = self.model.get_output_embeddings()(out[here[0][ends], here[1][ends]])
+        else:  # row b is sequence b
+            logits = out[:, -1]
+        self.valid = torch.arange(width)[None] >= torch.tensor([width - n for n in lengths])[:, None]
+        self.lengths = torch.tensor(lengths)
+        sync(device)
+        seconds = time.perf_counter() - start
+        if reuse is not None:
+            kv = [(layer.keys, layer.values) for layer in self.cache.layers]
+            reuse.found[key] = (logits, aux, kv, self.valid, self.lengths, seconds)
+        return logits, aux, seconds
+
+    def verify(self, tokens: Tensor, ancestors: Tensor, depths: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Score a tree per sequence (tokens [B, N], node 0 the root) in one forward: each node sees its
+        sequence's committed columns, its ancestors and itself, at position = committed + depth."""
+        batch, nodes = tokens.shape
+        committed = self.valid[:, None, :].expand(batch, nodes, self.valid.shape[1])
+        allowed = torch.cat([committed, ancestors], dim=2)
+        return self._forward(tokens, allowed, self.lengths[:, None] + depths)
+
+    def commit(self, kept: Tensor) -> None:
+        """Keep the verified nodes (bool [B, N]) of the last `verify` in each sequence."""
+        self.valid = torch.cat([self.valid, kept], dim=1)
+        self.lengths = self.lengths + kept.sum(1)
+        used = int(self.valid.any(0).nonzero().max()) + 1  # a chain's rejected tail is cut off outright
+        if used < self.valid.shape[1]:
+            self.cache.crop(used - self.valid.shape[1])  # a negative count drops that many from the end
+            self.valid = self.valid[:, :used]
+        if _holes_dominate(self.valid):
+            layers = self.cache.layers
+            tensors = [t for layer in layers for t in (layer.keys, layer.values)]
+            self.valid, moved = compact_columns(self.valid, tensors)
+            for layer, keys, values in zip(layers, moved[0::2], moved[1::2], strict=True):
+                layer.keys, layer.values = keys, values
+
+    def select(self, rows: Tensor) -> None:
+        """Keep only these sequences (finished ones drop out of the batch)."""
+        self.cache.batch_select_indices(rows.to(self.model.device))
+        self.valid, self.lengths = self.valid[rows], self.lengths[rows]
+
+
+class DrafterBatch:
+    """The drafter's KV cache for B sequences, with valid columns as in `TargetBatch`: each sequence appends a
+    different number of committed rows per round, shorter ones padded with masked rows."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.cache = drafter.new_cache()
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)
+
+    def feed(
+        self, input_ids: Tensor, hidden: Tensor, positions: Tensor, rows_valid: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Append committed rows ([B, P], causal among themselves; padding rows where `rows_valid` is False):
+        logits [B, P, Vd] and layer_out [B, P, H]."""
+        batch, rows = input_ids.shape
+        if self.valid.shape[0] != batch:  # the first feed of a batch
+            self.valid = torch.zeros(batch, 0, dtype=torch.bool)
+        cached = self.valid[:, None, :].expand(batch, rows, self.valid.shape[1])
+        causal = torch.ones(rows, rows, dtype=torch.bool).tril()
+        new = rows_valid[:, None, :] & causal | torch.eye(rows, dtype=torch.bool)
+        allowed = torch.cat([cached, new], dim=2).to(input_ids.device)
+        logits, layer_out = self.drafter.step(input_ids, hidden, positions, self.cache, allowed)
+        self.valid = torch.cat([self.valid, rows_valid], dim=1)
+        if _holes_dominate(self.valid):
+            self.valid, (self.cache.keys, self.cache.values) = compact_columns(
+                self.valid, [self.cache.keys, self.cache.values]
+            )
+        return logits, layer_out
+
+    def select(self, rows: Tensor) -> None:
+        if self.cache.keys is None:  # a sequence finished on its prefill token: nothing fed yet
+            return
+        rows_there = rows.to(self.cache.keys.device)
+        self.cache.keys, self.cache.values = self.cache.keys[rows_there], self.cache.values[rows_there]
+        self.valid = self.valid[rows]
