@@ -415,8 +415,9 @@ def _curve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("arm_folder", help="a trained arm, e.g. outputs/<run>/04_finetune/scratch (its "
                    "checkpoints/ and drafter/)")
     p.add_argument("--target", required=True, help="a local Hugging Face folder or zoo:<name>")
-    p.add_argument("--benchmark", action="append", required=True, metavar="CORPUS:N",
-                   help="prompts to measure on, e.g. sharegpt:32 or humaneval:32 (repeatable)")
+    p.add_argument("--benchmark", action="append", required=True, metavar="CORPUS:N[:TURNS]",
+                   help="prompts to measure on, e.g. sharegpt:32, humaneval:32 or sharegpt:32:2 (the first "
+                   "two user turns, MT-Bench style; repeatable)")
     p.add_argument("--max-new-tokens", type=whole(1), default=128)
     p.add_argument("--steps", type=whole(1), default=3, help="chain draft depth K")
     p.add_argument("--batch-size", type=whole(1), default=16)
@@ -434,18 +435,64 @@ def _curve(args: argparse.Namespace) -> int:
     from eagle3lib.decoding.speculate import DraftSettings
     from eagle3lib.reports import plots
 
-    benchmarks = []
-    for item in args.benchmark:
-        corpus, _, count = item.rpartition(":")
-        if not corpus or not count.isdigit():
-            raise ValueError(f"--benchmark {item!r}: expected CORPUS:N, e.g. sharegpt:32")
-        benchmarks.append(Benchmark(corpus, corpus, int(count)))
+    benchmarks = [Benchmark.parse(item) for item in args.benchmark]
     target, tokenizer = engines.open_target(args.target, "builtin", args.dtype, args.device)
     curve = curves.learning_curve(Path(args.arm_folder), target, tokenizer, benchmarks,
                                   DraftSettings(steps=args.steps), args.max_new_tokens, args.batch_size,
                                   log=lambda line: print(f"eagle3 curve: {line}", flush=True))
     plots.learning_curve(curve, Path(args.arm_folder) / "learning_curve.png")
     print(f"eagle3 curve: {Path(args.arm_folder) / curves.LEARNING_CURVE}")
+    return 0
+
+
+def _table_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("drafter", help="a drafter checkpoint folder")
+    p.add_argument("--target", required=True, help="a local Hugging Face folder or zoo:<name>")
+    p.add_argument("--benchmark", action="append", required=True, metavar="CORPUS:N[:TURNS]",
+                   help="e.g. humaneval:32, sharegpt:32 (held-out first turns), sharegpt:32:2 (held-out "
+                   "conversations' first two user turns, each on the target's own reply: MT-Bench style)")
+    p.add_argument("--setting", action="append", required=True, metavar="STEPS/TOPK/DRAFT_TOKENS",
+                   help="SGLang's terms: 3/1/4 and 7/1/8 are chains of 3 and 7, 5/4/16 a tree (repeatable)")
+    p.add_argument("--max-new-tokens", type=whole(1), default=128)
+    p.add_argument("--batch-size", type=whole(1), default=16)
+    p.add_argument("--dtype", default="float32", help="the target's dtype (float32: greedy output exact)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--chat-template-kwargs", type=template_switches, default={}, metavar="JSON",
+                   help="the thinking mode the prompts are rendered in")
+    p.add_argument("-o", "--output", help="also write the table with its settings and machine as JSON")
+
+
+@command("table", "τ table of one drafter: every benchmark at every setting, with intervals, in SGLang's and "
+         "vLLM's terms", _table_arguments)
+def _table(args: argparse.Namespace) -> int:
+    import json
+    import sys
+    import time
+    from pathlib import Path
+
+    from eagle3lib.data.benchmarks import Benchmark
+    from eagle3lib.decoding import engines, evaluate
+    from eagle3lib.devices import machine_description
+    from eagle3lib.files import atomic_write_text, resolve_path
+    from eagle3lib.runs import git_commit
+
+    benchmarks = [Benchmark.parse(item) for item in args.benchmark]
+    grid = [evaluate.parse_setting(item) for item in args.setting]
+    start = time.perf_counter()
+    target, tokenizer = engines.open_target(args.target, "builtin", args.dtype, args.device)
+    rows = evaluate.tau_table(target, tokenizer, Path(args.drafter), benchmarks, grid, args.max_new_tokens,
+                              args.batch_size, args.chat_template_kwargs,
+                              log=lambda line: print(f"eagle3 table: {line}", flush=True))
+    machine = machine_description()
+    print(f"\n{evaluate.tau_table_markdown(rows)}\n\n{args.drafter} on {args.target} ({target.dtype}), "
+          f"{args.max_new_tokens} new tokens, batch {args.batch_size}, greedy; {machine}")
+    if args.output:
+        record = {"drafter": args.drafter, "target": args.target, "dtype": str(target.dtype).removeprefix(
+                  "torch."), "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+                  "chat_template_kwargs": args.chat_template_kwargs, "machine": machine,
+                  "command": "eagle3 " + " ".join(sys.argv[1:]), "commit": git_commit(),
+                  "seconds": time.perf_counter() - start, "rows": rows}
+        atomic_write_text(resolve_path(args.output), json.dumps(record, indent=1) + "\n")
     return 0
 
 

@@ -132,7 +132,8 @@ class EvaluateSection:
     benchmarks: list = setting(
         [],
         "every drafter on each: [{name, corpus (as probe.corpus), num_prompts (0: all of a prompt file or "
-        "humaneval)}]; [] = probe.corpus alone. The K sweep and the figures use the first.",
+        "humaneval), turns (conversations: the first user turns asked in order, 2 = MT-Bench style)}]; [] = "
+        "probe.corpus alone. The K sweep and the figures use the first.",
     )
     sample_tokens: int = setting(48, "generated tokens shown per drafter for the first prompt")
     sweep_steps: list = setting([1, 2, 3, 4, 5], "the K sweep: chain depths tried per drafter; [] = no sweep")

@@ -12,7 +12,7 @@ import yaml
 
 from eagle3lib.data import benchmarks
 from eagle3lib.data.layout import DataError
-from eagle3lib.decoding import curves
+from eagle3lib.decoding import curves, evaluate
 from eagle3lib.drafter.checkpoint import CheckpointError, load_drafter
 from eagle3lib.reports import publish
 from eagle3lib.training import train
@@ -158,3 +158,38 @@ def test_a_run_measured_nowhere_along_training_has_no_record(tmp_path):
     (tmp_path / "04_finetune" / "scratch").mkdir(parents=True)
     with pytest.raises(publish.PublishError, match="validation_prompts"):
         publish.publish_curves(tmp_path, tmp_path / "record", command="x")
+
+
+def test_a_multi_turn_draw_asks_a_held_out_conversations_first_user_turns_in_order():
+    one, two = (benchmarks.questions("sharegpt", 4, turns=turns) for turns in (1, 2))
+    assert all(len(q.turns) == 1 for q in one) and all(len(q.turns) == 2 for q in two)
+    held = {c.id: c for c in benchmarks.split_conversations("sharegpt", "heldout", 0.1)}
+    assert all(list(q.turns) == held[q.id].user_turns()[:2] for q in two)
+    parsed = benchmarks.Benchmark.parse("sharegpt:32:2")
+    assert parsed == benchmarks.Benchmark("sharegpt (2 turns)", "sharegpt", 32, 2)
+    assert benchmarks.Benchmark.parse("humaneval:8") == benchmarks.Benchmark("humaneval", "humaneval", 8)
+    for corpus in ("humaneval", "stdlib-code"):
+        with pytest.raises(DataError, match="more than 1 takes a conversation corpus"):
+            benchmarks.questions(corpus, 4, turns=2)
+    with pytest.raises(DataError, match="expected CORPUS:N or CORPUS:N:TURNS"):
+        benchmarks.Benchmark.parse("sharegpt")
+
+
+def test_a_tau_table_measures_every_benchmark_at_every_setting_with_its_interval(tmp_path):
+    from eagle3lib import cli
+
+    out = tmp_path / "table.json"
+    assert cli.main(["table", SOURCE, "--target", "zoo:tiny-llama", "--benchmark", "humaneval:2",
+                     "--benchmark", "sharegpt:2:2", "--setting", "3/1/4", "--setting", "2/2/4",
+                     "--max-new-tokens", "8", "--batch-size", "2", "-o", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert [(r["benchmark"], r["setting"], r["prompts"]) for r in record["rows"]] == [
+        ("humaneval", "3/1/4", 2), ("humaneval", "2/2/4", 2),
+        ("sharegpt (2 turns)", "3/1/4", 4), ("sharegpt (2 turns)", "2/2/4", 4)]  # both turns of each
+    for row in record["rows"]:
+        assert row["tau_low"] <= row["tau"] <= row["tau_high"] and len(row["acceptance_per_position"]) == int(
+            row["setting"][0])
+    assert "vLLM num_speculative_tokens 3" in record["rows"][0]["engines"]
+    assert "a tree" in record["rows"][1]["engines"] and record["machine"] and record["commit"]
+    with pytest.raises(ValueError, match="expected STEPS/TOPK/NUM_DRAFT_TOKENS"):
+        evaluate.parse_setting("3")

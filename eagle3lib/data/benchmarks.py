@@ -45,6 +45,7 @@ class Benchmark:
     name: str
     corpus: str
     num_prompts: int  # 0 = every question the source holds (prompt files, humaneval)
+    turns: int = 1  # conversation corpora: the first user turns asked in order (2: MT-Bench style)
 
     @classmethod
     def from_params(cls, entry: dict, where: str) -> Benchmark:
@@ -52,9 +53,23 @@ class Benchmark:
             "name",
             "corpus",
             "num_prompts",
+            "turns",
         }:
-            raise DataError(f"{where}: expected {{name, corpus, num_prompts}}, got {entry!r}")
-        return cls(str(entry["name"]), str(entry["corpus"]), int(entry.get("num_prompts", 0)))
+            raise DataError(f"{where}: expected {{name, corpus, num_prompts, turns}}, got {entry!r}")
+        return cls(str(entry["name"]), str(entry["corpus"]), int(entry.get("num_prompts", 0)),
+                   int(entry.get("turns", 1)))
+
+    @classmethod
+    def parse(cls, text: str) -> Benchmark:
+        """A command line's `CORPUS:N` or `CORPUS:N:TURNS` (e.g. sharegpt:32:2, MT-Bench style)."""
+        head, _, last = text.rpartition(":")
+        if not head or not last.isdigit():
+            raise DataError(f"benchmark {text!r}: expected CORPUS:N or CORPUS:N:TURNS, e.g. sharegpt:32:2")
+        corpus, _, count = head.rpartition(":")
+        if not (corpus and count.isdigit()):
+            return cls(head, head, int(last))
+        turns = int(last)
+        return cls(corpus if turns == 1 else f"{corpus} ({turns} turns)", corpus, int(count), turns)
 
 
 def check_corpus(corpus: str, key: str) -> None:
@@ -124,12 +139,16 @@ def prompt_file_questions(path: Path) -> list[Question]:
 
 def questions(
     corpus: str, num_prompts: int, prompt_chars: int = 600, heldout_fraction: float = 0.1, seed: int = 0,
-    draw: str = "test",
+    draw: str = "test", turns: int = 1,
 ) -> list[Question]:
     """The first `num_prompts` questions of a source (0: all of a prompt file or of humaneval); with
-    `draw="validation"` its last `num_prompts`, in their order."""
+    `draw="validation"` its last `num_prompts`, in their order. `turns` > 1 (conversation corpora): the
+    held-out conversations with at least that many user turns, their first `turns` asked in order."""
     if draw not in DRAWS:
         raise DataError(f"draw must be one of {', '.join(DRAWS)}, got {draw!r}")
+    if turns != 1 and (turns < 1 or corpus == corpora.HUMANEVAL or is_prompt_file(corpus)
+                       or corpus_kind(corpus) != "conversations"):
+        raise DataError(f"corpus {corpus!r}: turns {turns} (more than 1 takes a conversation corpus)")
     if draw == "validation" and not num_prompts:
         raise DataError(f"corpus {corpus!r}: a validation draw needs num_prompts")
     if corpus == corpora.HUMANEVAL:
@@ -146,8 +165,9 @@ def questions(
     else:
         if not num_prompts:
             raise DataError(f"corpus {corpus!r}: give num_prompts (its held-out conversations are many)")
-        held = split_conversations(corpus, "heldout", heldout_fraction)
-        found = [Question(c.id, (c.user_turns()[0],), c.system_prompt())
+        held = (c for c in split_conversations(corpus, "heldout", heldout_fraction)
+                if len(c.user_turns()) >= turns)
+        found = [Question(c.id, tuple(c.user_turns()[:turns]), c.system_prompt())
                  for c in (held if draw == "validation" else islice(held, num_prompts))]
     if num_prompts and len(found) < num_prompts:
         raise DataError(
@@ -159,11 +179,12 @@ def questions(
 
 
 def check_disjoint_draws(corpus: str, test_prompts: int, validation_prompts: int, prompt_chars: int = 600,
-                         heldout_fraction: float = 0.1) -> None:
+                         heldout_fraction: float = 0.1, turns: int = 1) -> None:
     """Refuse a test and a validation draw of `corpus` that would share a question (a source holding fewer
     than both together), naming both counts."""
-    test = questions(corpus, test_prompts, prompt_chars, heldout_fraction)
-    validation = questions(corpus, validation_prompts, prompt_chars, heldout_fraction, draw="validation")
+    test = questions(corpus, test_prompts, prompt_chars, heldout_fraction, turns=turns)
+    validation = questions(corpus, validation_prompts, prompt_chars, heldout_fraction, draw="validation",
+                           turns=turns)
     shared = {q.id for q in test} & {q.id for q in validation}
     if shared:
         raise DataError(

@@ -50,7 +50,7 @@ class Validation:
         reply = engines.target_replies(target, max_new_tokens, batch_size)
         self.prompts = {
             b.name: engines.probe_prompts(target.tokenizer, b.corpus, num_prompts, prompt_chars, True, reply,
-                                          draw="validation", template_kwargs=template_kwargs)
+                                          draw="validation", template_kwargs=template_kwargs, turns=b.turns)
             for b in benchmarks
         }
         self.num_prompts = num_prompts
@@ -221,7 +221,8 @@ def learning_curve(
     reply = engines.target_replies(target, max_new_tokens, batch_size)
     found = {}
     for benchmark in benchmarks:
-        prompts = engines.probe_prompts(tokenizer, benchmark.corpus, benchmark.num_prompts, 600, True, reply)
+        prompts = engines.probe_prompts(tokenizer, benchmark.corpus, benchmark.num_prompts, 600, True, reply,
+                                        turns=benchmark.turns)
         reuse, baseline, rows = batches.PrefillCache(), None, []
         for step, drafter in points:
             result = engines.probe("builtin", target, drafter, prompts, settings, max_new_tokens,

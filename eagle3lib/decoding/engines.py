@@ -92,19 +92,20 @@ def open_target(spec: str, backend: str, dtype: str = "auto", device: str = "aut
 
 
 def probe_prompts(tokenizer, corpus: str, num_prompts: int, prompt_chars: int, chat: bool, reply=None,
-                  draw: str = "test", template_kwargs: dict | None = None) -> list[list[int]]:
+                  draw: str = "test", template_kwargs: dict | None = None, turns: int = 1) -> list[list[int]]:
     """Token ids of a benchmark's prompts (`eagle3lib.data.benchmarks`: held-out documents or conversations,
     humaneval, a prompt file), as user turns of the target's chat template; `chat` False: text corpora's
     openings as they are. `reply` answers earlier turns of multi-turn questions (`target_replies`). `draw`:
     the test questions 05 reports, or the disjoint validation ones training chooses its checkpoint on;
-    `template_kwargs`: the recipe's thinking mode (`data.chat_template_kwargs`)."""
+    `template_kwargs`: the recipe's thinking mode (`data.chat_template_kwargs`); `turns`: a conversation
+    corpus's first user turns asked in order (every turn is a prompt)."""
     from eagle3lib.data import benchmarks
 
     if not chat:
         if draw != "test":
             raise ValueError("probe.chat false measures the test draw only")
         return benchmarks.plain_ids(tokenizer, corpus, num_prompts, prompt_chars)
-    found = benchmarks.questions(corpus, num_prompts, prompt_chars, draw=draw)
+    found = benchmarks.questions(corpus, num_prompts, prompt_chars, draw=draw, turns=turns)
     return benchmarks.prompt_ids(tokenizer, found, reply, template_kwargs)
 
 

@@ -8,6 +8,7 @@ the metrics it stores; the run's summary reads those back through `summary_lines
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,6 +187,64 @@ def engine_terms(settings: DraftSettings) -> str:
             f"{settings.steps}"
         )
     return f"{sglang} (a tree; vLLM drafts chains only)"
+
+
+def parse_setting(text: str) -> DraftSettings:
+    """SGLang's `steps/topk/num_draft_tokens` (3/1/4: a chain of 3; 5/4/16: a tree), greedy."""
+    parts = text.split("/")
+    if len(parts) != 3 or not all(part.isdigit() for part in parts):
+        raise ValueError(f"setting {text!r}: expected STEPS/TOPK/NUM_DRAFT_TOKENS, e.g. 3/1/4 or 5/4/16")
+    steps, topk, num_draft_tokens = map(int, parts)
+    return DraftSettings(steps=steps, topk=topk, num_draft_tokens=num_draft_tokens)
+
+
+def setting_label(settings: DraftSettings) -> str:
+    return f"{settings.steps}/{settings.topk}/{settings.num_draft_tokens}"
+
+
+def tau_table(target, tokenizer, drafter: Path, benchmarks: list[Benchmark], grid: list[DraftSettings],
+              max_new_tokens: int, batch_size: int, template_kwargs: dict | None = None,
+              log: Callable[[str], None] = print) -> list[dict]:
+    """τ of one drafter on every benchmark at every setting (built-in engine), each with its 95 % interval,
+    the acceptance at each draft position and the setting in SGLang's and vLLM's terms; the target decodes
+    each benchmark's prompts alone once (the speedup beside τ, at `batch_size`)."""
+    from eagle3lib.decoding import batches, engines
+
+    reply = engines.target_replies(target, max_new_tokens, batch_size)
+    rows = []
+    for benchmark in benchmarks:
+        prompts = engines.probe_prompts(tokenizer, benchmark.corpus, benchmark.num_prompts, 600, True, reply,
+                                        template_kwargs=template_kwargs, turns=benchmark.turns)
+        reuse, baseline = batches.PrefillCache(), None
+        for settings in grid:
+            start = time.perf_counter()
+            result = engines.probe("builtin", target, drafter, prompts, settings, max_new_tokens,
+                                   batch_size=batch_size, baseline=baseline, reuse=reuse)
+            baseline, m = result.baseline, result.metrics
+            rows.append({
+                "benchmark": benchmark.name, "corpus": benchmark.corpus, "questions": benchmark.num_prompts,
+                "turns": benchmark.turns, "prompts": m["prompts"], "setting": setting_label(settings),
+                "engines": engine_terms(settings), "tau": m["tau"], "tau_low": m["tau_low"],
+                "tau_high": m["tau_high"], "acceptance_per_position": m["acceptance_per_position"],
+                "speedup": m.get("speedup"), "seconds": time.perf_counter() - start,
+            })
+            log(f"{benchmark.name} at {setting_label(settings)}: τ {tau_text(m)} on {m['prompts']} prompts "
+                f"({rows[-1]['seconds']:.0f} s)")
+    return rows
+
+
+def tau_table_markdown(rows: list[dict]) -> str:
+    """Benchmarks down, settings across: τ [95 % interval]; each setting's engine terms under the table."""
+    settings = list(dict.fromkeys(row["setting"] for row in rows))
+    cells = {(row["benchmark"], row["setting"]): tau_text(row) for row in rows}
+    prompts = {row["benchmark"]: row["prompts"] for row in rows}
+    lines = ["| benchmark | prompts | " + " | ".join(f"τ at {s}" for s in settings) + " |",
+             "|---" * (len(settings) + 2) + "|"]
+    for benchmark in dict.fromkeys(row["benchmark"] for row in rows):
+        lines.append(f"| {benchmark} | {prompts[benchmark]} | "
+                     + " | ".join(cells.get((benchmark, s), "–") for s in settings) + " |")
+    terms = {row["setting"]: row["engines"] for row in rows}
+    return "\n".join(lines + [""] + [f"- {s}: {terms[s]}" for s in settings])
 
 
 def check_evaluate_settings(params: dict) -> None:
@@ -401,7 +460,7 @@ def evaluate_drafters(
     for benchmark in benchmarks_of(params):
         prompts = engines.probe_prompts(
             tokenizer, benchmark.corpus, benchmark.num_prompts, p["prompt_chars"], p["chat"], reply,
-            template_kwargs=params["data"]["chat_template_kwargs"],
+            template_kwargs=params["data"]["chat_template_kwargs"], turns=benchmark.turns,
         )
         prompt_counts[benchmark.name] = len(prompts)
         reuse = batches.PrefillCache() if builtin else None  # one target prefill serves every probe

@@ -420,7 +420,7 @@ def check_validation(params: dict) -> None:
         raise TrainingError("train.validation_prompts needs evaluate.benchmarks, the benchmarks to measure")
     for b in benchmarks:
         check_disjoint_draws(b.corpus, b.num_prompts, train["validation_prompts"],
-                             params["probe"]["prompt_chars"])
+                             params["probe"]["prompt_chars"], turns=b.turns)
 
 
 def validation_of(params: dict, data: TrainingData, out: Path, procs: Processes) -> Validation | None:
