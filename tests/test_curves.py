@@ -190,6 +190,8 @@ def test_a_tau_table_measures_every_benchmark_at_every_setting_with_its_interval
         assert row["tau_low"] <= row["tau"] <= row["tau_high"] and len(row["acceptance_per_position"]) == int(
             row["setting"][0])
     assert "vLLM num_speculative_tokens 3" in record["rows"][0]["engines"]
+    coverage = {(row["benchmark"], row["vd_coverage"]) for row in record["rows"]}  # one per benchmark
+    assert len(coverage) == 2 and all(0 <= share <= 1 for _, share in coverage)
     assert "a tree" in record["rows"][1]["engines"] and record["machine"] and record["commit"]
     with pytest.raises(ValueError, match="expected STEPS/TOPK/NUM_DRAFT_TOKENS"):
         evaluate.parse_setting("3")

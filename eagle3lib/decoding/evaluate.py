@@ -207,9 +207,14 @@ def tau_table(target, tokenizer, drafter: Path, benchmarks: list[Benchmark], gri
               log: Callable[[str], None] = print) -> list[dict]:
     """τ of one drafter on every benchmark at every setting (built-in engine), each with its 95 % interval,
     the acceptance at each draft position and the setting in SGLang's and vLLM's terms; the target decodes
-    each benchmark's prompts alone once (the speedup beside τ, at `batch_size`)."""
-    from eagle3lib.decoding import batches, engines
+    each benchmark's prompts alone once (the speedup beside τ, at `batch_size`), and the share of its tokens
+    inside the drafter's draft vocabulary is the coverage (a token outside it is never accepted)."""
+    import torch
 
+    from eagle3lib.decoding import batches, engines
+    from eagle3lib.drafter.vocab import VocabMap
+
+    vocab_map = VocabMap.load(drafter)
     reply = engines.target_replies(target, max_new_tokens, batch_size)
     rows = []
     for benchmark in benchmarks:
@@ -221,12 +226,14 @@ def tau_table(target, tokenizer, drafter: Path, benchmarks: list[Benchmark], gri
             result = engines.probe("builtin", target, drafter, prompts, settings, max_new_tokens,
                                    batch_size=batch_size, baseline=baseline, reuse=reuse)
             baseline, m = result.baseline, result.metrics
+            replies = torch.tensor([t for tokens in result.target_outputs for t in tokens], dtype=torch.long)
             rows.append({
                 "benchmark": benchmark.name, "corpus": benchmark.corpus, "questions": benchmark.num_prompts,
                 "turns": benchmark.turns, "prompts": m["prompts"], "setting": setting_label(settings),
                 "engines": engine_terms(settings), "tau": m["tau"], "tau_low": m["tau_low"],
                 "tau_high": m["tau_high"], "acceptance_per_position": m["acceptance_per_position"],
                 "speedup": m.get("speedup"), "seconds": time.perf_counter() - start,
+                "vd_coverage": vocab_map.coverage(torch.bincount(replies, minlength=vocab_map.vt)),
             })
             log(f"{benchmark.name} at {setting_label(settings)}: τ {tau_text(m)} on {m['prompts']} prompts "
                 f"({rows[-1]['seconds']:.0f} s)")
@@ -244,7 +251,10 @@ def tau_table_markdown(rows: list[dict]) -> str:
         lines.append(f"| {benchmark} | {prompts[benchmark]} | "
                      + " | ".join(cells.get((benchmark, s), "–") for s in settings) + " |")
     terms = {row["setting"]: row["engines"] for row in rows}
-    return "\n".join(lines + [""] + [f"- {s}: {terms[s]}" for s in settings])
+    coverage = {row["benchmark"]: row["vd_coverage"] for row in rows}
+    return "\n".join(lines + [""] + [f"- {s}: {terms[s]}" for s in settings] + [
+        "- the target's own tokens inside the draft vocabulary: "
+        + "; ".join(f"{b} {share:.1%}" for b, share in coverage.items())])
 
 
 def check_evaluate_settings(params: dict) -> None:
