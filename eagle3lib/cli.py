@@ -473,7 +473,8 @@ def _table(args: argparse.Namespace) -> int:
     from eagle3lib.data.benchmarks import Benchmark
     from eagle3lib.decoding import engines, evaluate
     from eagle3lib.devices import machine_description
-    from eagle3lib.files import atomic_write_text, resolve_path
+    from eagle3lib.files import atomic_write_text, file_sha256, resolve_path
+    from eagle3lib.reports.publish import WEIGHTS
     from eagle3lib.runs import git_commit
 
     benchmarks = [Benchmark.parse(item) for item in args.benchmark]
@@ -487,11 +488,15 @@ def _table(args: argparse.Namespace) -> int:
     print(f"\n{evaluate.tau_table_markdown(rows)}\n\n{args.drafter} on {args.target} ({target.dtype}), "
           f"{args.max_new_tokens} new tokens, batch {args.batch_size}, greedy; {machine}")
     if args.output:
-        record = {"drafter": args.drafter, "target": args.target, "dtype": str(target.dtype).removeprefix(
-                  "torch."), "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
-                  "chat_template_kwargs": args.chat_template_kwargs, "machine": machine,
-                  "command": "eagle3 " + " ".join(sys.argv[1:]), "commit": git_commit(),
-                  "seconds": time.perf_counter() - start, "rows": rows}
+        weights = resolve_path(args.drafter) / WEIGHTS
+        record = {
+            "drafter": args.drafter, "weights_sha256": file_sha256(weights) if weights.exists() else None,
+            "target": args.target, "dtype": str(target.dtype).removeprefix("torch."),
+            "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+            "chat_template_kwargs": args.chat_template_kwargs, "machine": machine,
+            "command": "eagle3 " + " ".join(sys.argv[1:]), "commit": git_commit(),
+            "seconds": time.perf_counter() - start, "rows": rows,
+        }
         atomic_write_text(resolve_path(args.output), json.dumps(record, indent=1) + "\n")
     return 0
 
