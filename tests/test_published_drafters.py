@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import LlamaConfig
 
@@ -55,3 +57,17 @@ def test_the_demo_recipe_fits_its_source_drafter():
     drafter, _ = load_drafter(publish.DEMO_SOURCE_DRAFTER, strict=True)
     assert files.resolve_path(demo["train"]["drafter"]) == publish.DEMO_SOURCE_DRAFTER
     assert demo["data"]["draft_vocab_size"] == drafter.config.draft_vocab_size
+
+
+@pytest.mark.parametrize("provenance", [p for p in DRAFTERS if (p.parent / "tau_table.json").exists()],
+                         ids=lambda p: p.parent.name)
+def test_a_published_tau_table_measured_these_weights(provenance):
+    """`eagle3 table -o`: every benchmark at every setting, with intervals, of exactly the shipped weights."""
+    table = json.loads((provenance.parent / "tau_table.json").read_text())
+    assert table["weights_sha256"] == publish.verify(provenance.parent)["sha256"][publish.WEIGHTS]
+    assert table["machine"] and table["command"].startswith("eagle3 table") and table["commit"]
+    settings = {row["setting"] for row in table["rows"]}
+    benchmarks = {row["benchmark"] for row in table["rows"]}
+    assert len(table["rows"]) == len(settings) * len(benchmarks) >= 3
+    for row in table["rows"]:
+        assert row["tau_low"] <= row["tau"] <= row["tau_high"] and row["prompts"] >= 32
