@@ -469,11 +469,11 @@ def value_checks(section: type = Params, prefix: str = "") -> dict[str, Callable
 
 def free_mappings(section: type = Params, prefix: str = "") -> tuple[str, ...]:
     """The dotted keys of the settings whose value is a mapping of the recipe's own keys (not a section)."""
-    found = ()
+    found, defaults = (), section()
     for f in fields(section):
         if _is_section(f):
             found += free_mappings(f.default_factory, f"{prefix}{f.name}.")
-        elif isinstance(getattr(section(), f.name), dict):
+        elif isinstance(getattr(defaults, f.name), dict):
             found += (f"{prefix}{f.name}",)
     return found
 
