@@ -384,11 +384,49 @@ def test_a_packed_prefill_computes_what_one_prompt_a_row_computes(monkeypatch):
 
 
 def test_compacting_a_cache_keeps_what_each_sequence_attends_to():
-    valid = torch.tensor([[False, True, False, True], [True, True, False, False]])
-    keys = torch.arange(2 * 4, dtype=torch.float).reshape(2, 1, 4, 1)
+    valid = torch.tensor([[False, True, False, True], [True, True, False, False],
+                          [False, False, True, False]])
+    keys = torch.arange(3 * 4, dtype=torch.float).reshape(3, 1, 4, 1)
     compact, (moved,) = batches.compact_columns(valid, [keys])
-    assert compact.tolist() == [[True, True], [True, True]]
-    assert moved[:, 0, :, 0].tolist() == [[1.0, 3.0], [4.0, 5.0]]
+    # right-aligned, in order: a shorter row's holes stay in front, where its attention can skip them
+    assert compact.tolist() == [[True, True], [True, True], [False, True]]
+    assert moved[:, 0, :, 0].tolist()[:2] == [[1.0, 3.0], [4.0, 5.0]] and moved[2, 0, 1, 0] == 10.0
+
+
+def test_key_runs_cut_rows_where_skipping_padding_pays():
+    cost = batches.RUN_COST_COLUMNS
+    assert cost < 900  # the cases below assume a run costs less than the padding it skips
+    assert batches.key_runs([900, 900, 0, 0], 1000) == [(0, 2, 900), (2, 4, 0)]
+    assert batches.key_runs([10, 0], 1000) == [(0, 2, 0)]  # 10 columns skipped do not pay for a call
+    # rows out of length order: a run for the middle row alone would cost more than it skips
+    assert batches.key_runs([0, 900, 0], 1000) == [(0, 3, 0)]
+    assert batches.key_runs([900], 1000) == [(0, 1, 900)]
+
+
+def test_rows_attending_past_their_padding_decode_as_alone(monkeypatch):
+    """With a run of rows for every prompt length (each row's attention starting at its own first column,
+    `key_runs`), target-only and speculative decoding of a batch give each prompt exactly its output alone."""
+    monkeypatch.setattr(batches, "RUN_COST_COLUMNS", 0)  # a run wherever a row starts later than the last
+    made = []
+
+    def spied(first, width):
+        made.append(runs := real(first, width))
+        return runs
+
+    real = batches.key_runs
+    monkeypatch.setattr(batches, "key_runs", spied)
+    model, drafter = random_pair(vocab=64, draft_vocab=24)
+    model.set_attn_implementation("sdpa_shared_kv")
+    prompts = [[5], [1, 2, 3], [8, 9, 10, 11, 12, 13], [60, 7, 7, 41, 9, 0, 12, 33, 2, 5, 6, 7]]
+    alone = [speculate.generate_target_only(model, p, 30).tokens for p in prompts]
+    plain = speculate.decode_target_only(model, prompts, 30).generations
+    assert [g.tokens for g in plain] == alone
+    assert max(len(runs) for runs in made) == 4  # every row its own run
+    for name in ("chain-3", "tree-4x3-8"):
+        made.clear()
+        spec = SpeculativeDecoder(model, drafter, SETTINGS[name]).generate_batch(prompts, 30).generations
+        assert [g.tokens for g in spec] == alone
+        assert max(len(runs) for runs in made) > 1
 
 
 def test_append_layer_holds_what_hf_dynamic_layer_holds():

@@ -32,17 +32,46 @@ def sync(device: torch.device) -> None:
 
 
 def compact_columns(valid: Tensor, tensors: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
-    """Move each row's valid cache columns (dim 2 of [B, heads, C, head_dim] tensors) to the front, in order.
+    """Move each row's valid cache columns (dim 2 of [B, heads, C, head_dim] tensors) to the end, in order.
 
     Attention is indifferent to the order of its keys (positions are in the rotary embedding already), so
-    this only drops the holes that rejected drafts and prompt padding leave.
+    this only drops the holes that rejected drafts and prompt padding leave. Right-aligned, a shorter row's
+    holes stay in front, where `key_runs` lets its attention skip them.
     """
     counts = valid.sum(1)
     width = int(counts.max())
-    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    order = torch.sort(valid.to(torch.int8), dim=1, stable=True).indices[:, -width:]
     index = order.to(tensors[0].device)[:, None, :, None]
     moved = [t.gather(2, index.expand(t.shape[0], t.shape[1], width, t.shape[3])) for t in tensors]
-    return torch.arange(width, device=valid.device)[None] < counts[:, None], moved
+    return torch.arange(width, device=valid.device)[None] >= (width - counts)[:, None], moved
+
+
+# An attention call's fixed cost in the work of one row reading one key column (SDPA's call and the slicing
+# around it against its work per row and column; 2-core Xeon, SmolLM2-135M, bf16)
+RUN_COST_COLUMNS = 512
+
+
+def key_runs(first: list[int], width: int) -> list[tuple[int, int, int]]:
+    """The batch's rows cut into consecutive runs [(first row, end row, first column)], each attending from
+    its rows' earliest valid column on, at the least cost: rows x columns read, plus `RUN_COST_COLUMNS` a run.
+    `first[b]` is row b's first valid column of `width`. Rows sorted by prompt length (as the engine's
+    batches are) make few runs with little left padding each."""
+    rows = len(first)
+    best = [0] * (rows + 1)  # best[j]: the least cost of rows [0, j)
+    cut = [0] * (rows + 1)
+    for end in range(1, rows + 1):
+        start_column, best[end] = width, None
+        for start in range(end - 1, -1, -1):
+            start_column = min(start_column, first[start])
+            cost = best[start] + (end - start) * (width - start_column) + RUN_COST_COLUMNS
+            if best[end] is None or cost < best[end]:
+                best[end], cut[end] = cost, start
+    runs, end = [], rows
+    while end:
+        start = cut[end]
+        runs.append((start, end, min(first[start:end])))
+        end = start
+    return runs[::-1]
 
 
 def _holes_dominate(valid: Tensor) -> bool:
@@ -120,10 +149,15 @@ class TargetBatch:
             self.cache.layers = [AppendLayer() for _ in self.cache.layers]
         self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [B, columns]
         self.lengths = torch.zeros(0, dtype=torch.long)  # [B] committed tokens = the next token's position
+        # runs of rows attending past their left padding (`key_runs`): on a CPU, where attention's work is
+        # its columns read, and only through the attention that takes them (`target.model`)
+        self._skips_padding = (model.device.type == "cpu"
+                               and model.config._attn_implementation == "sdpa_shared_kv")
+        self._runs: list[tuple[int, int, int]] | None = None  # of the current rows and columns; None: stale
 
     def _forward(
         self, input_ids: Tensor, allowed: Tensor, positions: Tensor, last_logits_only: bool = False,
-        cache: DynamicCache | None = None, states: bool = False,
+        cache: DynamicCache | None = None, states: bool = False, runs: list | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Logits [B, n, Vt] (n = 1 with `last_logits_only`; with `states`, the final-normed states [B, n, Ht]
         instead) and aux states [B, n, A*Ht] (None without aux layers) of n new columns, written to `cache`
@@ -147,6 +181,8 @@ class TargetBatch:
         inputs = {"input_ids": input_ids.to(device), "attention_mask": mask[:, None].to(device),
                   "position_ids": positions.to(device), "use_cache": True,
                   "past_key_values": self.cache if cache is None else cache}
+        if runs is not None:
+            inputs["key_runs"] = runs
         try:
             if states:
                 out = self.model.get_decoder()(**inputs).last_hidden_state
@@ -173,6 +209,7 @@ class TargetBatch:
         key = (tuple(map(tuple, prompts)), tuple(self.aux_layer_ids))
         if reuse is not None and key in reuse.found:
             logits, aux, kv, self.valid, self.lengths, seconds = reuse.found[key]
+            self._runs = None
             for i, (keys, values) in enumerate(kv):  # later rounds never write into these tensors in place
                 self.cache.update(keys, values, i)
             return logits, aux, seconds
@@ -224,6 +261,7 @@ class TargetBatch:
             logits = out[:, -1]
         self.valid = torch.arange(width)[None] >= torch.tensor([width - n for n in lengths])[:, None]
         self.lengths = torch.tensor(lengths)
+        self._runs = None
         sync(device)
         seconds = time.perf_counter() - start
         if reuse is not None:
@@ -237,7 +275,9 @@ class TargetBatch:
         batch, nodes = tokens.shape
         committed = self.valid[:, None, :].expand(batch, nodes, self.valid.shape[1])
         allowed = torch.cat([committed, ancestors], dim=2)
-        return self._forward(tokens, allowed, self.lengths[:, None] + depths)
+        if self._skips_padding and self._runs is None:  # a row's first valid column moves only on compaction
+            self._runs = key_runs(self.valid.to(torch.int8).argmax(1).tolist(), self.valid.shape[1])
+        return self._forward(tokens, allowed, self.lengths[:, None] + depths, runs=self._runs)
 
     def commit(self, kept: Tensor) -> None:
         """Keep the verified nodes (bool [B, N]) of the last `verify` in each sequence."""
@@ -251,6 +291,7 @@ class TargetBatch:
             layers = self.cache.layers
             tensors = [t for layer in layers for t in (layer.keys, layer.values)]
             self.valid, moved = compact_columns(self.valid, tensors)
+            self._runs = None
             for layer, keys, values in zip(layers, moved[0::2], moved[1::2], strict=True):
                 layer.keys, layer.values = keys, values
 
@@ -258,6 +299,7 @@ class TargetBatch:
         """Keep only these sequences (finished ones drop out of the batch)."""
         self.cache.batch_select_indices(rows.to(self.model.device))
         self.valid, self.lengths = self.valid[rows], self.lengths[rows]
+        self._runs = None
 
 
 class DrafterBatch:

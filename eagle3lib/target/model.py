@@ -50,11 +50,22 @@ _ARCHITECTURE_KEYS = (
 _LOGITS_CHUNK = 256
 
 
-def sdpa_shared_kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+def sdpa_shared_kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                             key_runs=None, **kwargs):
     """HF's SDPA attention, except that masked grouped-query attention on the CPU lets SDPA share each KV
     head among its query heads (`enable_gqa`). HF copies every cached key and value num_key_value_groups
     times there, in every layer at every step: with a 4D mask (each decoding step of the batched engine)
-    that copy was 55 % of a batch-16 step of SmolLM2-135M on 2 cores. The result is bit-identical."""
+    that copy was 55 % of a batch-16 step of SmolLM2-135M on 2 cores. The result is bit-identical.
+
+    `key_runs` (the batched engine's, `decoding.batches.key_runs`): [(first row, end row, first column)]
+    covering the batch; each run of rows attends only from its first column on, the columns before it being
+    masked for all of its rows (a short prompt's left padding), instead of every row reading the longest
+    prompt's width."""
+    if key_runs is not None and attention_mask is not None and key_runs != [(0, query.shape[0], 0)]:
+        outs = [sdpa_shared_kv_attention(module, query[a:b], key[a:b, :, c:], value[a:b, :, c:],
+                                         attention_mask[a:b, ..., c:], dropout, scaling, **kwargs)[0]
+                for a, b, c in key_runs]
+        return torch.cat(outs), None
     groups = getattr(module, "num_key_value_groups", 1)
     plain = attention_mask is None or kwargs.get("position_bias") is not None
     if plain or groups == 1 or query.device.type != "cpu":
