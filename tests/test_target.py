@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3lib import devices
 from eagle3lib.decoding.speculate import decode_target_only
-from eagle3lib.target.model import PackedLinear, Target, TargetError, pack_linears, resolve_dtype
+from eagle3lib.target.model import PackedLinear, Target, TargetError, fast_argmax, pack_linears, resolve_dtype
 from eagle3lib.training.trainer import autocast_dtype
 
 N_LAYERS = 8
@@ -201,3 +201,12 @@ def test_packed_linears_compute_what_the_model_computed_and_keep_its_weights(dty
     torch.testing.assert_close(after, before, **tolerance)  # the same products, blocked differently
     assert [g.tokens for g in decode_target_only(model, prompts, 12).generations] == greedy
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
+
+
+def test_fast_argmax_picks_the_first_maximum_as_argmax_does():
+    torch.manual_seed(0)
+    logits = torch.randn(64, 49152).mul(3).to(torch.bfloat16)
+    logits[:, torch.randint(0, 49152, (5,))] = logits.max()  # ties at the top, common in bf16
+    coarse = torch.randint(0, 4, (64, 1000)).to(torch.bfloat16)  # ties everywhere
+    for x in (logits, coarse, logits.float()):
+        assert torch.equal(fast_argmax(x), x.argmax(-1))

@@ -35,6 +35,7 @@ from transformers import PreTrainedModel
 
 from eagle3lib.decoding.batches import DrafterBatch, PrefillCache, TargetBatch, sync
 from eagle3lib.drafter.config import default_aux_layer_ids
+from eagle3lib.target.model import fast_argmax
 
 # ---------------------------------------------------------------- checks before any decoding
 
@@ -138,7 +139,7 @@ class DraftTree:
 def select_tokens(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
     """Greedy (temperature 0) or sampled next token(s) from logits [..., V]."""
     if temperature == 0:
-        return logits.argmax(-1)
+        return fast_argmax(logits)
     probs = torch.softmax(logits.float() / temperature, -1)
     flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
     return flat.reshape(probs.shape[:-1])
@@ -376,7 +377,7 @@ def accept_path(
     tokens = tree.tokens.tolist()
     path = [0]
     if temperature == 0:
-        choice = logits.argmax(-1).tolist()
+        choice = fast_argmax(logits).tolist()
         while True:
             node = path[-1]
             match = [c for c in children[node] if tokens[c] == choice[node]]
@@ -470,7 +471,7 @@ def decode_target_only(
         depth = torch.zeros(len(active), 1, dtype=torch.long)
         logits, _ = batch.verify(last, one.expand(len(active), 1, 1), depth)
         if temperature == 0:  # one argmax and one device sync for the batch, not one a sequence (a GPU)
-            chosen = logits[:, -1].argmax(-1).tolist()
+            chosen = fast_argmax(logits[:, -1]).tolist()
         else:
             chosen = [int(select_tokens(logits[i, -1], temperature, generators[seq]))
                       for i, seq in enumerate(active)]

