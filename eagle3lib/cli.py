@@ -246,6 +246,43 @@ def _publish_curves_arguments(p: argparse.ArgumentParser) -> None:
                    "it exists)")
 
 
+def _compare_costs_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("records", nargs="+", metavar="LABEL=RECORD",
+                   help="committed curves records (eagle3 publish-curves), e.g. regenerated=records/A")
+    p.add_argument("--regeneration-cores", type=int, required=True,
+                   help="the CPU cores the regenerated data was made on (its manifests give seconds)")
+    p.add_argument("--command", required=True, help="the command, recorded as it is")
+    p.add_argument("-o", "--out", required=True, help="the new record folder (refused if it exists)")
+
+
+@command("compare-costs", "τ per CPU core-hour of curves records trained on different data, the data's "
+         "regeneration included (comparison.json, the figure, provenance)", _compare_costs_arguments)
+def _compare_costs(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from eagle3lib.reports import publish
+
+    records = {label: Path(path) for label, path in map(_label_and_path, args.records)}
+    out = publish.publish_cost_comparison(records, Path(args.out), command=args.command,
+                                          regeneration_cores=args.regeneration_cores)
+    comparison = json.loads((out / publish.COMPARISON).read_text())
+    for name, arm in comparison["arms"].items():
+        last = arm["points"][-1]
+        taus = ", ".join(f"{b} {m['tau']:.3f}" for b, m in last["benchmarks"].items())
+        print(f"eagle3 compare-costs: {name}: {taus} at {last['tokens']:,} tokens, {last['core_hours']:.2f} "
+              f"core-hours ({arm['train_core_seconds_per_token'] * 1e3:.2f} ms a token to train, "
+              f"{arm['data_core_seconds_per_token'] * 1e3:.2f} to make)")
+    return 0
+
+
+def _label_and_path(item: str) -> tuple[str, str]:
+    label, sep, path = item.partition("=")
+    if not sep or not label or not path:
+        raise SystemExit(f"eagle3 compare-costs: {item!r} is not LABEL=RECORD")
+    return label, path
+
+
 @command("publish-curves", "copy a run's τ along training out as a committed record (curves.json, the "
          "figure, provenance with their hashes)", _publish_curves_arguments)
 def _publish_curves(args: argparse.Namespace) -> int:

@@ -154,6 +154,49 @@ def test_a_published_record_keeps_the_curves_and_refuses_an_edit(tmp_path, curve
         publish.read_record(folder)
 
 
+def test_a_cost_comparison_charges_regenerated_data_what_making_it_took(tmp_path, curve_run):
+    """Two records of the same arms, one trained on regenerated conversations (manifests beside them give
+    the seconds regeneration took), one on a named corpus that costs nothing to make: each point's core-hours
+    are its tokens at the arm's training cost, plus the regenerated tokens at their making's cost, charged up
+    to the data's size."""
+    out, _ = curve_run
+    regenerated = tmp_path / "conversations"
+    regenerated.mkdir()
+    for name, seconds, tokens in (("part-00", 30.0, 1000), ("part-01", 10.0, 600)):
+        (regenerated / f"{name}.jsonl.gz").write_bytes(b"")
+        manifest = {"counts": {"seconds": seconds, "template_tokens": tokens}}
+        (regenerated / f"{name}.manifest.json").write_text(json.dumps(manifest))
+    records = {}
+    for label, corpus in (("regenerated", str(regenerated)), ("original", "stdlib-code")):
+        run = tmp_path / label
+        shutil.copytree(out, run / "04_finetune")
+        recipe = curve_recipe()
+        recipe["data"]["corpus"] = corpus
+        (run / "params.yaml").write_text(yaml.safe_dump(recipe))
+        provenance = {"notebooks": ["04_finetune"], "git commit": "abc1234",
+                      "machine": "a test CPU, 3 threads"}
+        (run / "metrics.json").write_text(json.dumps({"provenance": [provenance]}))
+        records[label] = publish.publish_curves(run, tmp_path / "records" / label, command="eagle3 run test")
+    folder = publish.publish_cost_comparison(records, tmp_path / "records" / "costs", command="test",
+                                             regeneration_cores=2)
+    publish.check_published(folder)
+    arms = json.loads((folder / publish.COMPARISON).read_text())["arms"]
+    record = publish.read_record(records["regenerated"])
+    seconds = publish.training_seconds(out / "scratch")
+    assert record["training_seconds"]["scratch"] == seconds
+    points = record["arms"]["scratch"]
+    train_cost = seconds * 3 / points[-1]["tokens"]
+    for label, data_cost in (("regenerated", 2 * 40.0 / 1600), ("original", 0.0)):
+        arm = arms[f"{label} scratch"]
+        assert arm["train_core_seconds_per_token"] == train_cost
+        assert arm["data_core_seconds_per_token"] == data_cost
+        cap = 1600 if data_cost else 0
+        assert [p["core_hours"] for p in arm["points"]] == [
+            (p["tokens"] * train_cost + min(p["tokens"], cap) * data_cost) / 3600 for p in points]
+    assert points[-1]["tokens"] > 1600  # the cap was met: a second pass costs no more regeneration
+    assert (folder / publish.COMPARISON_FIGURE).stat().st_size > 0
+
+
 def test_a_run_measured_nowhere_along_training_has_no_record(tmp_path):
     (tmp_path / "04_finetune" / "scratch").mkdir(parents=True)
     with pytest.raises(publish.PublishError, match="validation_prompts"):

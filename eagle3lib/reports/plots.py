@@ -177,6 +177,30 @@ def training_curves(arms: dict[str, list[dict]], source: dict[str, dict] | None 
     return _finish(fig, path)
 
 
+def cost_curves(arms: dict[str, list[dict]], path: str | os.PathLike | None = None) -> Figure:
+    """τ along training of arms trained on different data, one panel per benchmark and two views: against
+    training tokens (what the data teaches per token) and against CPU core-hours with the data's making
+    included (what it buys per hour). Each point: `core_hours`, `tokens`, `benchmarks` with 95 % intervals."""
+    names = list(next(iter(arms.values()))[0]["benchmarks"])
+    fig, panels = plt.subplots(len(names), 2, figsize=(12, 4.4 * len(names)), squeeze=False, sharey="row")
+    for row, name in zip(panels, names, strict=True):
+        for axis, key, label in ((row[0], "tokens", "training tokens"),
+                                 (row[1], "core_hours", "CPU core-hours, making the data included")):
+            for arm, points in arms.items():
+                shown = [p for p in points if p[key] > 0]
+                rows = [p["benchmarks"][name] for p in shown]
+                y = [r["tau"] for r in rows]
+                errors = [[r["tau"] - r["tau_low"] for r in rows], [r["tau_high"] - r["tau"] for r in rows]]
+                axis.errorbar([p[key] for p in shown], y, yerr=errors, marker="o", capsize=3,
+                              label=f"{arm} ({y[-1]:.2f} at {shown[-1][key]:,.3g})")
+            axis.set_xscale("log")
+            axis.set_xlabel(f"{label} (log scale)")
+            axis.set_title(f"{name}: validation τ, 95 % interval", fontsize=10)
+            axis.grid(alpha=0.3)
+            axis.legend(fontsize=8)
+    return _finish(fig, path)
+
+
 def depth_sweep(sweeps: dict[str, dict[str, dict]], path: str | os.PathLike | None = None) -> Figure:
     """Per drafter, across the draft settings of the K sweep: τ with its interval (left) and the measured
     wall-clock speedup over the target alone (right; the best setting of each drafter marked)."""

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
 import yaml
 
-from eagle3lib import files, runs
+from eagle3lib import devices, files, runs
+from eagle3lib.data import conversations
 from eagle3lib.decoding import curves
 from eagle3lib.drafter.checkpoint import PROVENANCE, check_published, load_drafter, save_drafter
 from eagle3lib.reports import plots
@@ -88,6 +90,7 @@ def publish_curves(run_dir: Path, out: Path, *, command: str) -> Path:
         "recipe": yaml.safe_load((Path(run_dir) / "params.yaml").read_text()),
         "seconds": {arm: json.loads((finetune / arm / "summary.json").read_text())["seconds"]
                     for arm in arms},
+        "training_seconds": {arm: training_seconds(finetune / arm) for arm in arms},
         "findings": curves.findings(points, source),
         "arms": points,
         "source": source,
@@ -97,6 +100,73 @@ def publish_curves(run_dir: Path, out: Path, *, command: str) -> Path:
         plots.training_curves(points, source, record_title(record), staging / CURVES_FIGURE)
         sha = {name: files.file_sha256(staging / name) for name in (CURVES, CURVES_FIGURE)}
         provenance = {"command": command, "commit": record["commit"], "sha256": sha}
+        files.atomic_write_text(staging / PROVENANCE, json.dumps(provenance, indent=1) + "\n")
+    return Path(out)
+
+
+def training_seconds(arm_folder: Path) -> float:
+    """The seconds an arm spent training, without its validation measurements: each logged window's tokens
+    over its tokens/s."""
+    seconds, before = 0.0, 0
+    for entry in files.read_json_lines(arm_folder / "metrics.jsonl"):
+        seconds += (entry["tokens"] - before) / entry["tokens_per_s"]
+        before = entry["tokens"]
+    return seconds
+
+
+COMPARISON = "comparison.json"
+COMPARISON_FIGURE = "comparison.png"
+
+
+def regeneration_cost(corpus: str, cores: int) -> dict | None:
+    """What making a regenerated corpus took, from the manifests beside its files: core-seconds (its
+    seconds x `cores`, the cores regeneration ran on) and template tokens; None for a corpus without
+    manifests (original replies cost nothing to make)."""
+    path = files.resolve_path(corpus)
+    if not path.exists():
+        return None
+    manifests = [conversations.manifest_path(f) for f in conversations.conversation_files(path)]
+    if not manifests or not all(m.is_file() for m in manifests):
+        return None
+    counts = [json.loads(m.read_text())["counts"] for m in manifests]
+    return {"core_seconds": cores * sum(c["seconds"] for c in counts),
+            "template_tokens": sum(c["template_tokens"] for c in counts), "files": len(manifests)}
+
+
+def publish_cost_comparison(records: dict[str, Path], out: Path, *, command: str, regeneration_cores: int
+                            ) -> Path:
+    """τ per CPU core-hour of committed curves records whose arms trained on different data, as a record
+    `out/` (comparison.json, the figure, provenance with their hashes). A point's cost is its training tokens
+    x the core-seconds a token took to train (the arm's training seconds x its threads / its tokens), plus,
+    where the data was regenerated, its share of what regeneration took (core-seconds / template tokens,
+    charged once per token of the data: a second pass costs no more regeneration)."""
+    arms = {}
+    for label, folder in records.items():
+        record = read_record(folder)
+        threads = re.search(r"(\d+) threads?", record["machine"])
+        if threads is None:
+            raise PublishError(f"{folder}: its machine ({record['machine']!r}) names no thread count")
+        corpus = record["recipe"]["data"]["corpus"]
+        made = regeneration_cost(corpus, regeneration_cores)
+        for arm, points in record["arms"].items():
+            seconds = record.get("training_seconds", record["seconds"])[arm]
+            train_cost = seconds * int(threads.group(1)) / points[-1]["tokens"]
+            data_cost = made["core_seconds"] / made["template_tokens"] if made else 0.0
+            cap = made["template_tokens"] if made else 0
+            name = label if len(record["arms"]) == 1 else f"{label} {arm}"
+            arms[name] = {
+                "record": str(folder), "arm": arm, "corpus": corpus, "regeneration": made,
+                "train_core_seconds_per_token": train_cost, "data_core_seconds_per_token": data_cost,
+                "points": [{**p, "core_hours": (p["tokens"] * train_cost + min(p["tokens"], cap) * data_cost)
+                            / 3600} for p in points],
+            }
+    comparison = {"command": command, "commit": runs.git_commit(), "regeneration_cores": regeneration_cores,
+                  "machine": devices.machine_description(), "arms": arms}
+    with files.staged_folder(Path(out)) as staging:
+        files.atomic_write_text(staging / COMPARISON, json.dumps(comparison, indent=1) + "\n")
+        plots.cost_curves({name: a["points"] for name, a in arms.items()}, staging / COMPARISON_FIGURE)
+        sha = {name: files.file_sha256(staging / name) for name in (COMPARISON, COMPARISON_FIGURE)}
+        provenance = {"command": command, "commit": comparison["commit"], "sha256": sha}
         files.atomic_write_text(staging / PROVENANCE, json.dumps(provenance, indent=1) + "\n")
     return Path(out)
 
