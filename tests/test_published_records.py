@@ -7,10 +7,17 @@ import pytest
 import yaml
 
 from eagle3lib import files
-from eagle3lib.params import load_params
+from eagle3lib.params import load_params, override_dict
 from eagle3lib.reports import publish
 
-RECORDS = sorted((files.REPO_ROOT / "records").glob("*/provenance.json"))
+FOLDER = files.REPO_ROOT / "records"
+RECORDS = sorted(p.parent / publish.PROVENANCE for p in FOLDER.glob(f"*/{publish.CURVES}"))
+COMPARISONS = sorted(FOLDER.glob(f"*/{publish.COMPARISON}"))
+
+
+def test_every_record_is_a_curves_record_or_a_cost_comparison():
+    folders = sorted(FOLDER.glob(f"*/{publish.PROVENANCE}"))
+    assert folders == sorted(RECORDS + [p.parent / publish.PROVENANCE for p in COMPARISONS])
 
 
 def test_the_warm_start_curve_is_committed():
@@ -25,9 +32,14 @@ def test_a_record_matches_its_hashes_and_the_recipe_that_made_it(provenance):
         assert [p["tokens"] for p in points] == sorted(p["tokens"] for p in points)
         measured = [m for p in points for m in p["benchmarks"].values()]
         assert all(m["tau_low"] <= m["tau"] <= m["tau_high"] for m in measured)
-    # the command names a recipe of params/, and every setting that recipe writes is the one the record used
-    recipe = next(word for word in record["command"].split() if word.startswith("params/"))
+    # the command names a recipe of params/, and every setting that recipe writes, with the command's own
+    # overrides (-p KEY=VALUE), is the one the record used
+    words = record["command"].split()
+    recipe = next(word for word in words if word.startswith("params/"))
     written = yaml.safe_load((files.REPO_ROOT / recipe).read_text())
+    overrides = [value for flag, value in zip(words, words[1:], strict=False) if flag in ("-p", "--param")]
+    for section, settings in override_dict(overrides).items():
+        written.setdefault(section, {}).update(settings)
     for section, settings in written.items():
         for key, value in settings.items():
             assert record["recipe"][section][key] == value, f"{recipe}: {section}.{key} is not the record's"
@@ -38,3 +50,14 @@ def test_a_recipe_shows_a_committed_record_or_none(recipe):
     shown = load_params(recipe)["evaluate"]["record"]
     if shown:
         publish.read_record(shown)
+
+
+@pytest.mark.parametrize("comparison", COMPARISONS, ids=lambda p: p.parent.name)
+def test_a_cost_comparison_matches_its_hashes_and_the_records_it_compares(comparison):
+    publish.check_published(comparison.parent)
+    compared = yaml.safe_load(comparison.read_text())  # JSON is YAML
+    for arm in compared["arms"].values():
+        record = publish.read_record(files.REPO_ROOT / arm["record"])
+        points = record["arms"][arm["arm"]]
+        assert [{k: v for k, v in p.items() if k != "core_hours"} for p in arm["points"]] == points
+        assert [p["core_hours"] for p in arm["points"]] == sorted(p["core_hours"] for p in arm["points"])
