@@ -429,6 +429,30 @@ def test_rows_attending_past_their_padding_decode_as_alone(monkeypatch):
         assert max(len(runs) for runs in made) > 1
 
 
+def test_finished_sequences_held_in_the_cache_change_nothing(monkeypatch):
+    """Sequences that finish stay in the cache as ignored rows until they are a quarter of it: every prompt of
+    a batch of 8 still decodes, target-only and speculatively, to exactly its output alone."""
+    held = []
+    select = batches.TargetBatch.select
+
+    def spied(self, rows):
+        select(self, rows)
+        held.append(self._live is not None)
+
+    monkeypatch.setattr(batches.TargetBatch, "select", spied)
+    model, drafter = random_pair(vocab=64, draft_vocab=24)
+    prompts = [[5], [1, 2, 3], [8, 9, 10], [60, 7, 7, 41], [4, 4], [33, 2, 9, 17, 50], [12], [40, 41]]
+    eos = speculate.generate_target_only(model, prompts[0], 30).tokens[6]
+    alone = [speculate.generate_target_only(model, p, 30, eos_token_id=eos).tokens for p in prompts]
+    assert 1 < sum(len(t) < 30 for t in alone) < len(prompts)  # some finish early, at different steps
+    plain = speculate.decode_target_only(model, prompts, 30, eos_token_id=eos).generations
+    assert [g.tokens for g in plain] == alone
+    assert True in held and False in held  # rows were held, then cut out once a quarter had finished
+    for name in ("chain-3", "tree-4x3-8"):
+        decoder = SpeculativeDecoder(model, drafter, SETTINGS[name])
+        assert [g.tokens for g in decoder.generate_batch(prompts, 30, eos_token_id=eos).generations] == alone
+
+
 def test_append_layer_holds_what_hf_dynamic_layer_holds():
     """Appends past the buffer's room, crops, batch selection and a replaced view (as compaction does)
     leave the in-place cache holding exactly what HF's concatenating one holds."""
