@@ -195,6 +195,8 @@ def test_a_cost_comparison_charges_regenerated_data_what_making_it_took(tmp_path
             (p["tokens"] * train_cost + min(p["tokens"], cap) * data_cost) / 3600 for p in points]
     assert points[-1]["tokens"] > 1600  # the cap was met: a second pass costs no more regeneration
     assert (folder / publish.COMPARISON_FIGURE).stat().st_size > 0
+    paired = json.loads((folder / publish.COMPARISON).read_text())["paired"]  # the same arms: no difference
+    assert paired and all("not distinguishable" in line and "+0.00" in line for line in paired)
 
 
 def test_a_run_measured_nowhere_along_training_has_no_record(tmp_path):

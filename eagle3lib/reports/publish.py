@@ -18,7 +18,7 @@ import yaml
 
 from eagle3lib import devices, files, runs
 from eagle3lib.data import conversations
-from eagle3lib.decoding import curves
+from eagle3lib.decoding import curves, intervals
 from eagle3lib.drafter.checkpoint import PROVENANCE, check_published, load_drafter, save_drafter
 from eagle3lib.reports import plots
 
@@ -161,7 +161,8 @@ def publish_cost_comparison(records: dict[str, Path], out: Path, *, command: str
                             / 3600} for p in points],
             }
     comparison = {"command": command, "commit": runs.git_commit(), "regeneration_cores": regeneration_cores,
-                  "machine": devices.machine_description(), "arms": arms}
+                  "machine": devices.machine_description(), "arms": arms,
+                  "paired": paired_at_equal_steps(arms)}
     with files.staged_folder(Path(out)) as staging:
         files.atomic_write_text(staging / COMPARISON, json.dumps(comparison, indent=1) + "\n")
         plots.cost_curves({name: a["points"] for name, a in arms.items()}, staging / COMPARISON_FIGURE)
@@ -169,6 +170,24 @@ def publish_cost_comparison(records: dict[str, Path], out: Path, *, command: str
         provenance = {"command": command, "commit": comparison["commit"], "sha256": sha}
         files.atomic_write_text(staging / PROVENANCE, json.dumps(provenance, indent=1) + "\n")
     return Path(out)
+
+
+def paired_at_equal_steps(arms: dict[str, dict]) -> list[str]:
+    """Each arm against the first at every step both measured, on each benchmark: τ difference with its paired
+    95 % interval (the same validation prompts, the same target outputs)."""
+    (first, base), *others = arms.items()
+    lines = []
+    for name, arm in others:
+        theirs = {p["step"]: p for p in base["points"]}
+        for point in arm["points"]:
+            other = theirs.get(point["step"])
+            if other is None or point["step"] == 0:
+                continue
+            for benchmark, measured in point["benchmarks"].items():
+                change = intervals.paired_comparison(name, measured["accepted_per_prompt"], first,
+                                                     other["benchmarks"][benchmark]["accepted_per_prompt"])
+                lines.append(f"step {point['step']}, {benchmark}: {change.sentence()}")
+    return lines
 
 
 def record_title(record: dict) -> str:
