@@ -34,13 +34,16 @@ def test_a_record_matches_its_hashes_and_the_recipe_that_made_it(provenance):
         measured = [m for p in points for m in p["benchmarks"].values()]
         assert all(m["tau_low"] <= m["tau"] <= m["tau_high"] for m in measured)
     # the command names a recipe of params/, and every setting that recipe writes, with the command's own
-    # overrides (-p KEY=VALUE), is the one the record used
+    # overrides (-p KEY=VALUE, --name), is the one the record used
     words = record["command"].split()
     recipe = next(word for word in words if word.startswith("params/"))
     written = yaml.safe_load((files.REPO_ROOT / recipe).read_text())
     overrides = [value for flag, value in zip(words, words[1:], strict=False) if flag in ("-p", "--param")]
     for section, settings in override_dict(overrides).items():
         written.setdefault(section, {}).update(settings)
+    names = [value for flag, value in zip(words, words[1:], strict=False) if flag == "--name"]
+    if names:  # eagle3 run --name: the run's folder and name
+        written["run"]["name"] = names[-1]
     for section, settings in written.items():
         for key, value in settings.items():
             assert record["recipe"][section][key] == value, f"{recipe}: {section}.{key} is not the record's"
