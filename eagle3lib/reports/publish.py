@@ -148,11 +148,11 @@ def publish_cost_comparison(records: dict[str, Path], out: Path, *, command: str
             raise PublishError(f"{folder}: its machine ({record['machine']!r}) names no thread count")
         corpus = record["recipe"]["data"]["corpus"]
         made = regeneration_cost(corpus, regeneration_cores)
+        data_cost = made["core_seconds"] / made["template_tokens"] if made else 0.0
+        cap = made["template_tokens"] if made else 0
         for arm, points in record["arms"].items():
             seconds = record.get("training_seconds", record["seconds"])[arm]
             train_cost = seconds * int(threads.group(1)) / points[-1]["tokens"]
-            data_cost = made["core_seconds"] / made["template_tokens"] if made else 0.0
-            cap = made["template_tokens"] if made else 0
             name = label if len(record["arms"]) == 1 else f"{label} {arm}"
             arms[name] = {
                 "record": str(folder), "arm": arm, "corpus": corpus, "regeneration": made,
@@ -176,9 +176,9 @@ def paired_at_equal_steps(arms: dict[str, dict]) -> list[str]:
     """Each arm against the first at every step both measured, on each benchmark: τ difference with its paired
     95 % interval (the same validation prompts, the same target outputs)."""
     (first, base), *others = arms.items()
+    theirs = {p["step"]: p for p in base["points"]}
     lines = []
     for name, arm in others:
-        theirs = {p["step"]: p for p in base["points"]}
         for point in arm["points"]:
             other = theirs.get(point["step"])
             if other is None or point["step"] == 0:
