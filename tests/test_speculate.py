@@ -351,11 +351,15 @@ def test_tree_verification_scores_each_node_as_its_own_sequence():
             torch.testing.assert_close(next_logits[b, 0], alone, atol=1e-5, rtol=1e-4)
 
 
-def test_a_packed_prefill_computes_what_one_prompt_a_row_computes(monkeypatch):
-    """Prompts packed into one row (attention within each, positions restarting) leave the same cache, aux
-    states and last logits as each prompt alone in its own left-padded row, and never compute padding."""
+@pytest.mark.parametrize("forward_tokens", [4096, 20])
+def test_a_packed_prefill_computes_what_one_prompt_a_row_computes(monkeypatch, forward_tokens):
+    """Prompts packed into one row (attention within each, positions restarting), or into rows computed by
+    several forwards, leave the same cache, aux states and last logits as each prompt alone in its own
+    left-padded row, and never compute padding; the cache's padding is zeros."""
     model, _ = random_pair(vocab=64, draft_vocab=24)
     prompts = [[1, 2, 3], [60, 7, 7, 41, 9, 0], [5], list(range(9, 29))]
+    monkeypatch.setattr(batches, "PREFILL_FORWARD_TOKENS", forward_tokens)
+    monkeypatch.setattr(batches, "PREFILL_ROW_TOKENS", 256 if forward_tokens > 20 else 8)
 
     def prefilled(pack: bool) -> tuple[batches.TargetBatch, list, tuple]:
         monkeypatch.setattr(batches, "PLAIN_HEAD_MODELS", frozenset({"llama"} if pack else ()))
@@ -372,7 +376,10 @@ def test_a_packed_prefill_computes_what_one_prompt_a_row_computes(monkeypatch):
 
     packed, packed_shapes, (logits, aux, _) = prefilled(True)
     alone, alone_shapes, (logits_alone, aux_alone, _) = prefilled(False)
-    assert packed_shapes == [(1, 30)] and alone_shapes == [(4, 20)]  # 30 prompt tokens against 4 x 20
+    if forward_tokens > 20:
+        assert packed_shapes == [(1, 30)] and alone_shapes == [(4, 20)]  # 30 prompt tokens against 4 x 20
+    else:  # rows [20] and [6, 3, 1], a forward each; one prompt a row: 4 forwards of 1 x 20
+        assert packed_shapes == [(1, 20)] * 2 and alone_shapes == [(1, 20)] * 4
     assert torch.equal(packed.valid, alone.valid) and torch.equal(packed.lengths, alone.lengths)
     torch.testing.assert_close(logits, logits_alone, rtol=1e-5, atol=1e-6)
     valid = alone.valid
@@ -381,6 +388,7 @@ def test_a_packed_prefill_computes_what_one_prompt_a_row_computes(monkeypatch):
         for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
             torch.testing.assert_close(a.transpose(1, 2)[valid], b.transpose(1, 2)[valid], rtol=1e-5,
                                        atol=1e-6)
+            assert not a.transpose(1, 2)[~valid].any() and not b.transpose(1, 2)[~valid].any()
 
 
 def test_compacting_a_cache_keeps_what_each_sequence_attends_to():
@@ -430,17 +438,26 @@ def test_rows_attending_past_their_padding_decode_as_alone(monkeypatch):
 
 
 def test_finished_sequences_held_in_the_cache_change_nothing(monkeypatch):
-    """Sequences that finish stay in the cache as ignored rows until they are a quarter of it: every prompt of
-    a batch of 8 still decodes, target-only and speculatively, to exactly its output alone."""
-    held = []
-    select = batches.TargetBatch.select
+    """Sequences that finish stay in the cache as ignored rows until they are a quarter of it, their attention
+    reading only what they wrote since: every prompt of a batch of 8 still decodes, target-only and
+    speculatively, to exactly its output alone."""
+    monkeypatch.setattr(batches, "RUN_COST_COLUMNS", 0)  # a run wherever it saves a column
+    held, skipped = [], []
+    select, first_read = batches.TargetBatch.select, batches.TargetBatch._first_read_columns
 
-    def spied(self, rows):
+    def spied_select(self, rows):
         select(self, rows)
         held.append(self._live is not None)
 
-    monkeypatch.setattr(batches.TargetBatch, "select", spied)
+    def spied_first_read(self):
+        first = first_read(self)
+        skipped.append(bool((first > self.valid.to(torch.int8).argmax(1)).any()))
+        return first
+
+    monkeypatch.setattr(batches.TargetBatch, "select", spied_select)
+    monkeypatch.setattr(batches.TargetBatch, "_first_read_columns", spied_first_read)
     model, drafter = random_pair(vocab=64, draft_vocab=24)
+    model.set_attn_implementation("sdpa_shared_kv")
     prompts = [[5], [1, 2, 3], [8, 9, 10], [60, 7, 7, 41], [4, 4], [33, 2, 9, 17, 50], [12], [40, 41]]
     eos = speculate.generate_target_only(model, prompts[0], 30).tokens[6]
     alone = [speculate.generate_target_only(model, p, 30, eos_token_id=eos).tokens for p in prompts]
@@ -448,6 +465,7 @@ def test_finished_sequences_held_in_the_cache_change_nothing(monkeypatch):
     plain = speculate.decode_target_only(model, prompts, 30, eos_token_id=eos).generations
     assert [g.tokens for g in plain] == alone
     assert True in held and False in held  # rows were held, then cut out once a quarter had finished
+    assert any(skipped)  # held rows skipped their history
     for name in ("chain-3", "tree-4x3-8"):
         decoder = SpeculativeDecoder(model, drafter, SETTINGS[name])
         assert [g.tokens for g in decoder.generate_batch(prompts, 30, eos_token_id=eos).generations] == alone

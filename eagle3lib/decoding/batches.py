@@ -18,6 +18,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from eagle3lib.data.readers import first_fit_decreasing
+from eagle3lib.target import direct
 
 # Targets whose logits are their output embedding applied to the final-normed states, nothing after it (no
 # soft-capping or scaling): their prompts are prefilled packed, the head applied to each prompt's last state
@@ -26,6 +27,10 @@ PLAIN_HEAD_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # so its cost grows with the square of the row (32 ShareGPT first turns, 2,168 tokens, bf16 on one thread:
 # 3.9 s in rows of 1,024, 2.4 s in rows of 373, the longest prompt)
 PREFILL_ROW_TOKENS = 256
+# Tokens a prefill forward computes at most, the rows beyond it going to further forwards: larger activations
+# are fresh memory at every kernel (page faults), smaller ones are reused (256 ShareGPT first turns, 19,701
+# tokens, bf16 on 2 cores: 10.1 s in one forward, 7.3-8.1 s in forwards of at most 2,048 or 4,096)
+PREFILL_FORWARD_TOKENS = 2048
 
 
 def sync(device: torch.device) -> None:
@@ -119,6 +124,12 @@ class AppendLayer(DynamicLayer):
         self.keys, self.values = (buffer[..., :end, :] for buffer in self.buffers)
         return self.keys, self.values
 
+    def adopt(self, keys: Tensor, values: Tensor, filled: int) -> None:
+        """Start from buffers whose first `filled` columns are already written (a prefill's)."""
+        self.lazy_initialization(keys[..., :filled, :], values[..., :filled, :])
+        self.buffers = (keys, values)
+        self.keys, self.values = keys[..., :filled, :], values[..., :filled, :]
+
     def _appendable(self, end: int) -> bool:
         """The views are still views of the buffer, and it has room for `end` columns."""
         if self.buffers is None:
@@ -162,6 +173,7 @@ class TargetBatch:
         self._skips_padding = (model.device.type == "cpu"
                                and model.config._attn_implementation == "sdpa_shared_kv")
         self._runs: list[tuple[int, int, int]] | None = None  # of the current rows and columns; None: stale
+        self._direct = direct.DirectDecoder(model) if direct.supports(model) else None
 
     def _forward(
         self, input_ids: Tensor, allowed: Tensor, positions: Tensor, last_logits_only: bool = False,
@@ -177,6 +189,19 @@ class TargetBatch:
         device, dtype = self.model.device, self.model.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        mask, cache = mask[:, None].to(device), self.cache if cache is None else cache
+        input_ids, positions = input_ids.to(device), positions.to(device)
+        if self._direct is not None:
+            out, kept = self._direct(input_ids, mask, positions, cache, self.aux_layer_ids, runs)
+            if not states:
+                out = self.model.get_output_embeddings()(out[:, -1:] if last_logits_only else out)
+        else:
+            out, kept = self._hf_forward(input_ids, mask, positions, cache, last_logits_only, states, runs)
+        return out, torch.cat(kept, dim=-1) if kept else None
+
+    def _hf_forward(self, input_ids: Tensor, mask: Tensor, positions: Tensor, cache: DynamicCache,
+                    last_logits_only: bool, states: bool, runs: list | None) -> tuple[Tensor, list[Tensor]]:
+        """`_forward` through Hugging Face's modules, the aux states taken with hooks."""
         outputs: dict[int, Tensor] = {}
 
         def keep(layer_id: int):
@@ -186,9 +211,8 @@ class TargetBatch:
             return hook
 
         handles = [self._layers[i].register_forward_hook(keep(i)) for i in set(self.aux_layer_ids)]
-        inputs = {"input_ids": input_ids.to(device), "attention_mask": mask[:, None].to(device),
-                  "position_ids": positions.to(device), "use_cache": True,
-                  "past_key_values": self.cache if cache is None else cache}
+        inputs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions,
+                  "use_cache": True, "past_key_values": cache}
         if runs is not None:
             inputs["key_runs"] = runs
         try:
@@ -199,8 +223,7 @@ class TargetBatch:
         finally:
             for handle in handles:
                 handle.remove()
-        aux = torch.cat([outputs[i] for i in self.aux_layer_ids], dim=-1) if self.aux_layer_ids else None
-        return out, aux
+        return out, [outputs[i] for i in self.aux_layer_ids]
 
     def prefill(
         self, prompts: list[list[int]], reuse: PrefillCache | None = None
@@ -247,18 +270,42 @@ class TargetBatch:
                 cache_column += range(width - n, width)
                 ends[b] = len(packed_row) - 1
                 offset += n
-        packed = DynamicCache(config=self.model.config)
-        out, packed_aux = self._forward(input_ids, allowed, positions, not pack, cache=packed, states=pack)
         device = self.model.device
         here = (torch.tensor(packed_row, device=device), torch.tensor(packed_column, device=device))
         there = (torch.tensor(cache_row, device=device), torch.tensor(cache_column, device=device))
-        for i, layer in enumerate(packed.layers):  # [R, Hkv, row_width, D] -> [B, Hkv, width, D]
-            moved = []
-            for states in (layer.keys, layer.values):
-                cached = states.new_zeros(len(prompts), states.shape[1], width, states.shape[3])
-                cached[there[0], :, there[1]] = states[here[0], :, here[1]]
-                moved.append(cached)
-            self.cache.update(*moved, i)
+        starts = torch.tensor([width - n for n in lengths])
+        padding = (torch.arange(width)[None] < starts[:, None]).nonzero().to(device).unbind(1)
+        appends = all(isinstance(layer, AppendLayer) for layer in self.cache.layers)
+        cached: list[tuple[Tensor, Tensor]] = []  # per layer [B, Hkv, columns, D], written group by group
+        outs, auxes = [], []
+        step = max(1, PREFILL_FORWARD_TOKENS // row_width)
+        for first in range(0, len(rows), step):
+            group = slice(first, first + step)
+            packed = DynamicCache(config=self.model.config)
+            out, packed_aux = self._forward(input_ids[group], allowed[group], positions[group], not pack,
+                                            cache=packed, states=pack)
+            outs.append(out)
+            auxes.append(packed_aux)
+            if not cached:  # left padding zeroed: masked, but it must not be NaN (0 x NaN is NaN)
+                columns = width + AppendLayer.room if appends else width
+                for layer in packed.layers:
+                    pair = [states.new_empty(len(prompts), states.shape[1], columns, states.shape[3])
+                            for states in (layer.keys, layer.values)]
+                    for buffer in pair:
+                        buffer[padding[0], :, padding[1]] = 0
+                    cached.append(pair)
+            mine = (here[0] >= first) & (here[0] < first + step)
+            source, destination = (here[0][mine] - first, here[1][mine]), (there[0][mine], there[1][mine])
+            for (keys, values), layer in zip(cached, packed.layers, strict=True):
+                for buffer, states in ((keys, layer.keys), (values, layer.values)):
+                    buffer[destination[0], :, destination[1]] = states[source[0], :, source[1]]
+        out = torch.cat(outs)
+        packed_aux = None if auxes[0] is None else torch.cat(auxes)
+        for i, (keys, values) in enumerate(cached):
+            if appends:  # written in place: no second copy of the whole cache
+                self.cache.layers[i].adopt(keys, values, width)
+            else:
+                self.cache.update(keys, values, i)
         aux = None
         if packed_aux is not None:
             aux = packed_aux.new_zeros(len(prompts), width, packed_aux.shape[-1])
@@ -267,7 +314,7 @@ class TargetBatch:
             logits = self.model.get_output_embeddings()(out[here[0][ends], here[1][ends]])
         else:  # row b is sequence b
             logits = out[:, -1]
-        self.valid = torch.arange(width)[None] >= torch.tensor([width - n for n in lengths])[:, None]
+        self.valid = torch.arange(width)[None] >= starts[:, None]
         self._lengths = torch.tensor(lengths)
         self._runs = self._live = None
         sync(device)
@@ -291,6 +338,17 @@ class TargetBatch:
         found[self._live] = live
         return found
 
+    def _first_read_columns(self) -> Tensor:
+        """[rows] the first cache column each row's attention needs: its first valid one; a finished row's
+        last valid one (its output is ignored, and no crop removes a column a row kept)."""
+        valid = self.valid.to(torch.int8)
+        first = valid.argmax(1)
+        if self._live is not None:
+            finished = torch.ones(len(first), dtype=torch.bool)
+            finished[self._live] = False
+            first[finished] = (valid.shape[1] - 1 - valid.flip(1).argmax(1))[finished]
+        return first
+
     def verify(self, tokens: Tensor, ancestors: Tensor, depths: Tensor) -> tuple[Tensor, Tensor | None]:
         """Score a tree per sequence (tokens [B, N], node 0 the root) in one forward: each node sees its
         sequence's committed columns, its ancestors and itself, at position = committed + depth."""
@@ -300,8 +358,8 @@ class TargetBatch:
         depths = self._all_rows(depths, torch.zeros(1, nodes, dtype=depths.dtype))
         committed = self.valid[:, None, :].expand(len(tokens), nodes, self.valid.shape[1])
         allowed = torch.cat([committed, ancestors], dim=2)
-        if self._skips_padding and self._runs is None:  # a row's first valid column moves only on compaction
-            self._runs = key_runs(self.valid.to(torch.int8).argmax(1).tolist(), self.valid.shape[1])
+        if self._skips_padding and self._runs is None:  # stale after a compaction or a finished sequence
+            self._runs = key_runs(self._first_read_columns().tolist(), self.valid.shape[1])
         logits, aux = self._forward(tokens, allowed, self._lengths[:, None] + depths, runs=self._runs)
         if self._live is None:
             return logits, aux
@@ -330,7 +388,7 @@ class TargetBatch:
         once they are a quarter of it)."""
         live = rows if self._live is None else self._live[rows]
         if 4 * (len(self._lengths) - len(live)) < len(self._lengths):
-            self._live = live
+            self._live, self._runs = live, None
             return
         self.cache.batch_select_indices(live.to(self.model.device))
         self.valid, self._lengths = self.valid[live], self._lengths[live]

