@@ -140,16 +140,17 @@ print(before - resident())
 """
 
 
-def test_a_cpu_trainer_gives_freed_tensors_back_where_glibc_would_keep_them():
-    def returned(mode: str) -> str:
-        done = subprocess.run([sys.executable, "-c", RETURNED, mode], capture_output=True, text=True,
-                              check=True)
-        return done.stdout.strip()
+def printed(script: str, mode: str) -> str:
+    """What `script` prints, run in a fresh interpreter (the C heap's state is the process's own)."""
+    done = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
 
-    trimmed = returned("trimmed")
+
+def test_a_cpu_trainer_gives_freed_tensors_back_where_glibc_would_keep_them():
+    trimmed = printed(RETURNED, "trimmed")
     if trimmed == "not glibc":
         pytest.skip("the C library is not glibc: its heap is not the one trim_heap trims")
-    assert int(returned("default")) < 16 << 20  # the cause: 64 MiB freed, kept by the heap
+    assert int(printed(RETURNED, "default")) < 16 << 20  # the cause: 64 MiB freed, kept by the heap
     assert int(trimmed) >= 48 << 20  # the 32 freed 2 MiB tensors, handed back
 
 
@@ -170,14 +171,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def test_decoding_keeps_freed_memory_where_glibc_would_hand_it_back():
-    def faults(mode: str) -> str:
-        done = subprocess.run([sys.executable, "-c", REFAULTED, mode], capture_output=True, text=True,
-                              check=True)
-        return done.stdout.strip()
-
-    kept = faults("kept")
+    kept = printed(REFAULTED, "kept")
     if kept == "not glibc":
         pytest.skip("the C library is not glibc: its heap is not the one keep_freed_memory configures")
-    handed_back = int(faults("default"))
+    handed_back = int(printed(REFAULTED, "default"))
     assert handed_back >= 8 * (25 << 20) // 4096  # the cause: most steps fault their tensors in anew
     assert 2 * int(kept) < handed_back  # (glibc's aligned allocations still miss some of the freed blocks)
