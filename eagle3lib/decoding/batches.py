@@ -153,7 +153,8 @@ class TargetBatch:
     sequence b: left padding of short prompts and rejected drafts stay in the cache as masked holes instead
     of being cut out row by row. Every forward passes its own 4D mask (the valid columns, plus the tree's
     ancestors among the new ones) and explicit position ids, so each sequence computes exactly what it
-    would alone. Trailing columns no sequence kept are cropped; holes are compacted when they dominate.
+    would alone. Trailing columns no sequence kept are cropped; holes are compacted when they dominate. A
+    Llama-like target's forwards call its layers directly (`target.direct`), others go through its HF modules.
 
     A finished sequence leaves the caller's view at once, but its row stays in the cache, fed a placeholder
     and ignored, until a quarter of the rows are such: cutting rows out copies the whole cache (at batch 256
