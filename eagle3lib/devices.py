@@ -9,7 +9,7 @@ CPU's flags, never assumed from one machine (bench/RESULTS.md names the machine 
   float32's tokens/s on the AMX Xeon, 10x slower on CPUs without AMX.
 
 On a CPU, memory comes from the C library's allocator, whose heap keeps what training frees until `trim_heap`
-hands it back; decoding asks it to keep freed memory (`keep_freed_memory`).
+hands it back.
 """
 
 from __future__ import annotations
@@ -94,23 +94,5 @@ def trim_heap() -> bool:
     (bench/bench_packing.py --allocator)."""
     try:
         return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):  # not glibc: its allocator's own behaviour stands
-        return False
-
-
-# glibc's mallopt parameters
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc to serve blocks up to 32 MiB from its heap and keep what is freed there (until `trim_heap`);
-    elsewhere False. Memory handed back and taken again is page-faulted in anew, at about 5 µs a page on this
-    project's VM: batched decoding makes a [256, 49,152] logits tensor (25 MB) a step, which glibc alternately
-    mapped afresh (lm_head 52 ms) and reused (8 ms); kept, 8 ms each step. 256 ShareGPT first turns x 128 at
-    batch 256, bf16, 2-core Xeon: 800-807 reply tok/s against 760-781, a third fewer page faults."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        # mallopt takes a C int: the largest trim threshold is 2 GiB
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
     except (OSError, AttributeError):  # not glibc: its allocator's own behaviour stands
         return False

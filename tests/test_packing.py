@@ -140,40 +140,14 @@ print(before - resident())
 """
 
 
-def printed(script: str, mode: str) -> str:
-    """What `script` prints, run in a fresh interpreter (the C heap's state is the process's own)."""
-    done = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, check=True)
-    return done.stdout.strip()
-
-
 def test_a_cpu_trainer_gives_freed_tensors_back_where_glibc_would_keep_them():
-    trimmed = printed(RETURNED, "trimmed")
+    def returned(mode: str) -> str:
+        done = subprocess.run([sys.executable, "-c", RETURNED, mode], capture_output=True, text=True,
+                              check=True)
+        return done.stdout.strip()
+
+    trimmed = returned("trimmed")
     if trimmed == "not glibc":
         pytest.skip("the C library is not glibc: its heap is not the one trim_heap trims")
-    assert int(printed(RETURNED, "default")) < 16 << 20  # the cause: 64 MiB freed, kept by the heap
+    assert int(returned("default")) < 16 << 20  # the cause: 64 MiB freed, kept by the heap
     assert int(trimmed) >= 48 << 20  # the 32 freed 2 MiB tensors, handed back
-
-
-# a decoding loop's large tensors: a step's three freed before the next step's are made, each faulting its
-# pages in afresh where the heap handed them back
-REFAULTED = """
-import resource, sys, torch
-from eagle3lib.devices import keep_freed_memory
-if sys.argv[1] == "kept" and not keep_freed_memory():
-    print("not glibc"); sys.exit()
-step = [torch.ones(25 << 20, dtype=torch.uint8) for _ in range(3)]
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(8):
-    step.clear()
-    step = [torch.ones(25 << 20, dtype=torch.uint8) for _ in range(3)]
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-"""
-
-
-def test_decoding_keeps_freed_memory_where_glibc_would_hand_it_back():
-    kept = printed(REFAULTED, "kept")
-    if kept == "not glibc":
-        pytest.skip("the C library is not glibc: its heap is not the one keep_freed_memory configures")
-    handed_back = int(printed(REFAULTED, "default"))
-    assert handed_back >= 8 * (25 << 20) // 4096  # the cause: most steps fault their tensors in anew
-    assert 2 * int(kept) < handed_back  # (glibc's aligned allocations still miss some of the freed blocks)

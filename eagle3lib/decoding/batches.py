@@ -18,7 +18,6 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from eagle3lib.data.readers import first_fit_decreasing
-from eagle3lib.devices import keep_freed_memory
 from eagle3lib.target import direct
 
 # Targets whose logits are their output embedding applied to the final-normed states, nothing after it (no
@@ -163,8 +162,6 @@ class TargetBatch:
 
     def __init__(self, model: PreTrainedModel, aux_layer_ids: list[int]):
         self.model, self.aux_layer_ids = model, aux_layer_ids
-        if model.device.type == "cpu":
-            keep_freed_memory()  # a step's large tensors reuse the last step's pages
         self._layers = model.get_decoder().layers
         self.cache = DynamicCache(config=model.config)
         if all(type(layer) is DynamicLayer for layer in self.cache.layers):  # sliding-window layers stay HF's
