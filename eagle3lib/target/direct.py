@@ -1,11 +1,13 @@
 """A Llama-like target's decoder layers called directly, for the batched engine's forwards.
 
-Hugging Face's layers spend most of a decoding step of a small model on element-wise kernels, each one a call:
-six for every RMSNorm, ten for the rotary embedding, a SiLU, a product and two residual additions that oneDNN
-can apply inside the matrix products. Here the same math runs in fewer kernels: `F.rms_norm` (bit-identical to
-HF's), the rotary embedding as one rotation of the head halves against a signed sine (bit-identical), and on a
-CPU the SiLU, the gate's product and the residual additions fused into the products of `PackedLinear` weights.
-In float32 the fusions change nothing but the SiLU's last bits; in bf16 they round once where HF rounds twice.
+Hugging Face's layers run a decoding step of a small model as many small kernels around the products: the
+rotary embedding's ten, a SiLU, a product and two residual additions that oneDNN can apply inside the matrix
+products, plus hooks for the aux states. Here the same math runs with fewer: the rotary embedding as one
+rotation of the head halves against a signed sine (bit-identical), `F.rms_norm` for HF's RMSNorm
+(bit-identical; on a CPU it runs the same kernels), and on a CPU the SiLU, the gate's product and the residual
+additions fused into the products of `PackedLinear` weights. In float32 the fusions change nothing but the
+SiLU's last bits; in bf16 they round once where HF rounds twice. The products and attention, which stream the
+weights and the cache, stay the bulk of a step (bench/RESULTS.md §10).
 
 Used where the architecture is Llama's (`supports`): Llama, Mistral, Qwen2 and Qwen3 with full attention in
 every layer and a SiLU MLP. Others (sliding windows, Gemma's norms, MLA) run through Hugging Face.
