@@ -140,6 +140,12 @@ class EvaluateSection:
     sweep_batch_size: int = setting(1, "the sweep decodes one prompt at a time: one user's latency")
     sweep_prompts: int = setting(4, "the first benchmark's first prompts the sweep decodes")
     sweep_tree: SweepTree = subsection(SweepTree, "one small tree too; steps 0 = none")
+    replay: bool = setting(
+        True,
+        "greedy builtin benchmarks: each drafter replayed against the target's recorded decoding of the "
+        "prompts (the accepted drafts of real verification; the target decodes a benchmark once; untimed: "
+        "the sweep measures speed); false: every drafter verified by the target, timed at probe.batch_size",
+    )
     record: str = setting(
         "", 'a committed record of τ along training (records/<name>, eagle3 publish-curves) shown beside the '
         'run\'s own; "" = none'

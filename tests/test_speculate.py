@@ -196,6 +196,78 @@ def test_batched_random_pair_and_hf_generate(name):
         assert s.tokens == t.tokens == hf
 
 
+# ---------------------------------------------------------------- replay: verification from a recording
+
+
+def _replayed(decoder, model, prompts, max_new_tokens, eos=None):
+    record = (decoder.aux_layer_ids, decoder.settings.steps)
+    recorded = speculate.decode_target_only(model, prompts, max_new_tokens, eos_token_id=eos, record=record)
+    return decoder.generate_batch(prompts, max_new_tokens, eos, recordings=recorded.recordings)
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_replay_accepts_exactly_what_verification_accepts(name):
+    """Against the target's recorded greedy decoding, every sequence of a batch accepts the drafts the
+    target's verification accepts, round by round, and ends with the same tokens; with an end token that
+    finishes some sequences mid-batch too."""
+    f, draft_ids = successor()
+    model = successor_target(f, noise=0.3)
+    decoder = SpeculativeDecoder(model, successor_drafter(f, draft_ids), SETTINGS[name])
+    for eos in (None, decoder.generate_batch(PROMPTS, 40).generations[2].tokens[24]):
+        real = decoder.generate_batch(PROMPTS, 40, eos).generations
+        replayed = _replayed(decoder, model, PROMPTS, 40, eos).generations
+        assert [g.accepted for g in replayed] == [g.accepted for g in real]
+        assert [g.tokens for g in replayed] == [g.tokens for g in real]
+        accepted = [a for g in real for a in g.accepted]
+        assert 0 in accepted and SETTINGS[name].steps in accepted  # rejections and full acceptance alike
+
+
+@pytest.mark.parametrize("name", ["chain-3", "tree-4x3-8"])
+def test_replay_of_a_random_pair_in_float64(name):
+    model, drafter = random_pair(vocab=64, draft_vocab=24, head_scale=30.0)
+    model, drafter = model.double(), drafter.double()
+    decoder = SpeculativeDecoder(model, drafter, SETTINGS[name])
+    prompts = [[1, 2, 3], [60, 7, 7, 41, 9, 0], [5]]
+    real = decoder.generate_batch(prompts, 30).generations
+    replayed = _replayed(decoder, model, prompts, 30).generations
+    assert [g.accepted for g in replayed] == [g.accepted for g in real]
+
+
+def test_probe_replays_each_depth_from_one_recording_and_times_nothing():
+    f, draft_ids = successor()
+    model = successor_target(f, noise=0.3)
+    drafter = successor_drafter(f, draft_ids)
+    baseline = None
+    for name in ("chain-3", "chain-5", "tree-3x2"):  # chain-5 needs a deeper overrun: recorded again
+        settings = SETTINGS[name]
+        real = probe.probe(model, drafter, PROMPTS, settings, 40, batch_size=3, warmup=False)
+        replayed = probe.probe(model, drafter, PROMPTS, settings, 40, batch_size=3, baseline=baseline,
+                               replay=True)
+        baseline = replayed.baseline
+        assert all(r.overrun >= settings.steps for out in baseline for r in out.recordings)
+        assert replayed.metrics["accepted_per_prompt"] == real.metrics["accepted_per_prompt"]
+        assert replayed.metrics["tau"] == real.metrics["tau"] and replayed.metrics["replayed"]
+        assert "speedup" not in replayed.metrics and "matches_target" not in replayed.metrics
+        assert [g.tokens for g in replayed.spec] == [g.tokens for g in real.target]
+    # a real probe does not time itself against a recording (decoded past each end)
+    again = probe.probe(model, drafter, PROMPTS, SETTINGS["chain-3"], 40, batch_size=3, baseline=baseline)
+    assert again.baseline is not baseline and again.baseline[0].recordings is None
+
+
+def test_replay_refuses_sampling_and_drafts_beyond_the_recording():
+    f, draft_ids = successor()
+    model = successor_target(f, noise=0.3)
+    decoder = SpeculativeDecoder(model, successor_drafter(f, draft_ids), SETTINGS["chain-5"])
+    short = speculate.decode_target_only(model, PROMPTS, 40, record=(decoder.aux_layer_ids, 2))
+    with pytest.raises(RuntimeError, match="overrun of at least the draft depth"):
+        decoder.generate_batch(PROMPTS, 40, recordings=short.recordings)
+    sampled = SpeculativeDecoder(model, successor_drafter(f, draft_ids), DraftSettings(temperature=0.7))
+    with pytest.raises(ValueError, match="greedy"):
+        sampled.generate_batch(PROMPTS, 40, recordings=short.recordings)
+    with pytest.raises(ValueError, match="other prompts"):
+        decoder.generate_batch(PROMPTS[::-1], 40, recordings=short.recordings)
+
+
 def test_probe_counts_the_same_at_every_batch_size():
     f, draft_ids = successor()
     model = successor_target(f, noise=0.3)
@@ -289,16 +361,17 @@ def test_drafter_is_fed_exactly_as_in_training():
     set_vocab_map(drafter, draft_ids)
     decoder = SpeculativeDecoder(model, drafter, DraftSettings(steps=3, topk=2))
     rows = {}
-    step = drafter.step
+    layer = drafter.layer
 
-    def recording_step(input_ids, hidden, position_ids, cache, attention_mask=None):
-        logits, layer_out = step(input_ids, hidden, position_ids, cache, attention_mask)
+    def recording_layer(input_ids, hidden, position_ids, cache, attention_mask=None):
+        layer_out = layer(input_ids, hidden, position_ids, cache, attention_mask)
         if hidden.shape[-1] == drafter.config.fc_in_features:  # step 0: target features
-            for position, row in zip(position_ids[0].tolist(), logits[0], strict=True):
+            logits = drafter.compute_logits(layer_out[0])
+            for position, row in zip(position_ids[0].tolist(), logits, strict=True):
                 rows[position] = row
-        return logits, layer_out
+        return layer_out
 
-    drafter.step = recording_step
+    drafter.layer = recording_layer
     out = decoder.generate(PROMPT, 30)
     sequence = torch.tensor([PROMPT + out.tokens])
     capture = Target(model, tokenizer=None, name="successor").capture(sequence, aux_layer_ids=AUX)
@@ -508,11 +581,10 @@ def test_draft_tree_shapes():
         hidden = torch.randn(2, 5, drafter.config.fc_in_features)
         positions = torch.arange(1, 6)[None].expand(2, 5)
         rows_valid = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
-        logits, layer_out = batch.feed(torch.tensor([[1, 2, 3, 4, 5], [9, 8, 7, 0, 0]]), hidden, positions,
-                                       rows_valid)
-        roots, last = torch.tensor([5, 7]), torch.tensor([4, 2])
+        root_logits, root_out = batch.feed(torch.tensor([[1, 2, 3, 4, 5], [9, 8, 7, 0, 0]]), hidden,
+                                           positions, rows_valid)  # of each sequence's last valid row
+        roots = torch.tensor([5, 7])
         vocab = set(drafter.draft_to_target(torch.arange(24)).tolist())
-        root_logits, root_out = logits[[0, 1], last], layer_out[[0, 1], last]
         for settings in (decoder.settings, DraftSettings(steps=4)):
             trees = speculate.draft_trees(batch, roots, root_logits, root_out, torch.tensor([5, 3]), settings,
                                           [None, None])

@@ -11,6 +11,7 @@ What runs on these batches, the drafts, the verification and the decoding loops,
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -159,6 +160,8 @@ class TargetBatch:
     and ignored, until a quarter of the rows are such: cutting rows out copies the whole cache (at batch 256
     of 500-column ShareGPT prompts and replies, 2.9 GB), which each finishing sequence used to pay.
     """
+
+    gives_choices = False  # verify gives logits (`RecordedTarget` gives the greedy choices)
 
     def __init__(self, model: PreTrainedModel, aux_layer_ids: list[int]):
         self.model, self.aux_layer_ids = model, aux_layer_ids
@@ -396,6 +399,83 @@ class TargetBatch:
         self._runs = self._live = None
 
 
+@dataclass
+class Recording:
+    """One prompt decoded greedily by the target alone, kept to replay speculation against (`RecordedTarget`):
+    `tokens` its greedy tokens, decoded past where the output ends (its end token or max_new_tokens) by the
+    deepest draft a replay may need; `aux` [len(prompt) + len(tokens) - 1, A*Ht] the aux states of every
+    position the target computed (the prompt's, then each new token's as it was fed back)."""
+
+    prompt: list[int]
+    tokens: list[int]
+    aux: Tensor
+    aux_layer_ids: list[int]
+    overrun: int  # tokens decoded past the output's end
+
+
+class RecordedTarget:
+    """`TargetBatch`'s part in greedy speculation, answered from the target's recorded greedy decoding instead
+    of a forward pass: a tree node on the recorded path gets the target's next token after it and its aux
+    state, as a verification would give them. Greedy speculation then accepts exactly the drafts a real
+    verification accepts where the target's states agree (in exact arithmetic always; in floating point a
+    near tie can flip), at the cost of the drafter alone.
+
+    `verify` returns the target's greedy choices [B, N] where `TargetBatch` returns logits (`gives_choices`);
+    `prefill` takes a `reuse` it has no use for, as `TargetBatch.prefill` does."""
+
+    gives_choices = True
+
+    def __init__(self, recordings: list[Recording]):
+        self.recordings = recordings
+        self._rows = list(range(len(recordings)))  # the recordings of the sequences still decoding
+        self._root = [0] * len(recordings)  # each sequence's root: an index into its recorded tokens
+
+    def prefill(self, prompts: list[list[int]], reuse: PrefillCache | None = None
+                ) -> tuple[Tensor, Tensor, float]:
+        """The greedy first tokens [B], the prompts' aux states [B, W, A*Ht] as `TargetBatch.prefill` lays
+        them out (sequence b's in its last len(prompt b) rows), and no seconds."""
+        if [r.prompt for r in self.recordings] != prompts:
+            raise ValueError("the recordings are of other prompts than those speculated on")
+        width = max(map(len, prompts))
+        aux = self.recordings[0].aux.new_zeros(len(prompts), width, self.recordings[0].aux.shape[-1])
+        for b, r in enumerate(self.recordings):
+            aux[b, width - len(r.prompt):] = r.aux[: len(r.prompt)]
+        return torch.tensor([r.tokens[0] for r in self.recordings]), aux, 0.0
+
+    @property
+    def lengths(self) -> Tensor:
+        return torch.tensor([len(self.recordings[b].prompt) + self._root[b] for b in self._rows])
+
+    def verify(self, tokens: Tensor, ancestors: Tensor, depths: Tensor) -> tuple[Tensor, Tensor]:
+        """Each node's greedy successor [B, N] and aux state [B, N, A*Ht] (-1 and zero where the node's
+        token is not the recorded one at its depth), for trees (tokens [B, N], node 0 the root) as
+        `TargetBatch.verify` takes them; the ancestor masks are not needed."""
+        choices = torch.full(tokens.shape, -1, dtype=torch.long)
+        aux = self.recordings[0].aux.new_zeros(*tokens.shape, self.recordings[0].aux.shape[-1])
+        for i, b in enumerate(self._rows):
+            recorded, root = self.recordings[b], self._root[b]
+            deepest = root + int(depths[i].max()) + 1
+            if deepest >= len(recorded.tokens):
+                raise RuntimeError(
+                    f"a draft reaches recorded token {deepest} of a recording of {len(recorded.tokens)}: "
+                    "record with an overrun of at least the draft depth"
+                )
+            path = torch.tensor(recorded.tokens)
+            # nodes holding the recorded token at their depth; their ancestors need no check: acceptance walks
+            # from the root through matching children only, so it reaches none whose ancestors do not match
+            nodes = (tokens[i] == path[root + depths[i]]).nonzero().flatten()
+            choices[i, nodes] = path[root + depths[i][nodes] + 1]
+            aux[i, nodes] = recorded.aux[len(recorded.prompt) + root + depths[i][nodes]]
+        return choices, aux
+
+    def commit(self, kept: Tensor) -> None:
+        for i, b in enumerate(self._rows):
+            self._root[b] += int(kept[i].sum())
+
+    def select(self, rows: Tensor) -> None:
+        self._rows = [self._rows[i] for i in rows.tolist()]
+
+
 class DrafterBatch:
     """The drafter's KV cache for B sequences, with valid columns as in `TargetBatch`: each sequence appends a
     different number of committed rows per round, shorter ones padded with masked rows."""
@@ -408,8 +488,9 @@ class DrafterBatch:
     def feed(
         self, input_ids: Tensor, hidden: Tensor, positions: Tensor, rows_valid: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """Append committed rows ([B, P], causal among themselves; padding rows where `rows_valid` is False):
-        logits [B, P, Vd] and layer_out [B, P, H]."""
+        """Append committed rows ([B, P], causal among themselves, each sequence's first; padding rows where
+        `rows_valid` is False): logits [B, Vd] and layer_out [B, H] of each sequence's last row, what drafting
+        goes on from (the head over every row of a prompt cost as much as the rest of the drafter)."""
         batch, rows = input_ids.shape
         if self.valid.shape[0] != batch:  # the first feed of a batch
             self.valid = torch.zeros(batch, 0, dtype=torch.bool)
@@ -417,13 +498,14 @@ class DrafterBatch:
         causal = torch.ones(rows, rows, dtype=torch.bool).tril()
         new = rows_valid[:, None, :] & causal | torch.eye(rows, dtype=torch.bool)
         allowed = torch.cat([cached, new], dim=2).to(input_ids.device)
-        logits, layer_out = self.drafter.step(input_ids, hidden, positions, self.cache, allowed)
+        layer_out = self.drafter.layer(input_ids, hidden, positions, self.cache, allowed)
         self.valid = torch.cat([self.valid, rows_valid], dim=1)
         if _holes_dominate(self.valid):
             self.valid, (self.cache.keys, self.cache.values) = compact_columns(
                 self.valid, [self.cache.keys, self.cache.values]
             )
-        return logits, layer_out
+        last = layer_out[torch.arange(batch), (rows_valid.sum(1) - 1).to(layer_out.device)]
+        return self.drafter.compute_logits(last), last
 
     def select(self, rows: Tensor) -> None:
         if self.cache.keys is None:  # a sequence finished on its prefill token: nothing fed yet

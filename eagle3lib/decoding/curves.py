@@ -71,7 +71,8 @@ class Validation:
         for name, prompts in self.prompts.items():
             result = engines.probe("builtin", self.target, drafter, prompts, self.settings,
                                    self.max_new_tokens, seed=self.seed, batch_size=self.batch_size,
-                                   baseline=self._baseline[name], reuse=self._reuse[name])
+                                   baseline=self._baseline[name], reuse=self._reuse[name],
+                                   replay=self.settings.temperature == 0)
             self._baseline[name] = result.baseline
             m = result.metrics
             found[name] = {key: m[key] for key in ("tau", "tau_low", "tau_high", "accepted_per_prompt")}
@@ -226,7 +227,8 @@ def learning_curve(
         reuse, baseline, rows = batches.PrefillCache(), None, []
         for step, drafter in points:
             result = engines.probe("builtin", target, drafter, prompts, settings, max_new_tokens,
-                                   batch_size=batch_size, baseline=baseline, reuse=reuse)
+                                   batch_size=batch_size, baseline=baseline, reuse=reuse,
+                                   replay=settings.temperature == 0)
             baseline, m = result.baseline, result.metrics
             loss_tokens = sum(entry["rows"] for entry in logged if entry["step"] <= step)
             rows.append({"step": step, "loss_tokens": loss_tokens, "tau": m["tau"], "tau_low": m["tau_low"],

@@ -169,14 +169,17 @@ def probe(
     batch_size: int = 8,
     baseline: list | None = None,
     reuse=None,
+    replay: bool = False,
 ) -> EngineResult:
     """Probe `drafter` against `target` (as `open_target` gives it) on `prompts` with one backend: builtin
     (`eagle3lib.decoding.probe`, `batch_size` prompts at a time, with the target-only baseline, decoded here
     unless an earlier result's `baseline` is given; `reuse`: a `batches.PrefillCache` shared between
-    probes of the same prompts), vllm or sglang."""
+    probes of the same prompts; `replay`: against the baseline's recordings, untimed), vllm or sglang."""
     from eagle3lib.files import resolve_path
 
     check_backend(backend)
+    if replay and backend != "builtin":
+        raise ValueError(f"replay is the builtin engine's; backend {backend} verifies with its own target")
     if not drafter:
         raise ValueError("no drafter checkpoint given (probe.drafter is empty)")
     drafter = resolve_path(drafter)
@@ -188,7 +191,7 @@ def probe(
         model = model.to(target.device)
         result = eagle3lib.decoding.probe.probe(
             target.model, model, prompts, settings, max_new_tokens, seed=seed, batch_size=batch_size,
-            baseline=baseline, reuse=reuse,
+            baseline=baseline, reuse=reuse, replay=replay,
         )
         return EngineResult(
             engine="builtin", metrics=result.metrics, outputs=[g.tokens for g in result.spec],

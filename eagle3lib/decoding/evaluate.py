@@ -371,6 +371,7 @@ class Evaluation:
             "ideal_speedup",
             "efficiency",
             "matches_target",
+            "replayed",
         )
         return {
             "backend": self.backend,
@@ -465,6 +466,9 @@ def evaluate_drafters(
     dtype = p["dtype"] or params["target"]["dtype"]
     settings = DraftSettings.from_probe(p)
     builtin = p["backend"] == "builtin"
+    replay = builtin and e["replay"] and settings.temperature == 0
+    if builtin and e["replay"] and not replay:
+        log(f"temperature {settings.temperature}: every drafter is verified by the target (replay is greedy)")
     reply = engines.target_replies(target, p["max_new_tokens"], p["batch_size"])
     metrics, outputs, comparisons, prompt_counts, first_prompts = {}, {}, {}, {}, None
     for benchmark in benchmarks_of(params):
@@ -491,6 +495,7 @@ def evaluate_drafters(
                 batch_size=p["batch_size"],
                 baseline=state["baseline"],
                 reuse=reuse,
+                replay=replay,
             )
             state["baseline"] = result.baseline
             return result

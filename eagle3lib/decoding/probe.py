@@ -109,16 +109,28 @@ def decode_baseline(
     seed: int = 0,
     batch_size: int = 8,
     reuse: PrefillCache | None = None,
+    record: tuple[list[int], int] | None = None,
 ) -> list[BatchOutput]:
     """The target alone on the prompts, in the batches `probe` uses: one baseline serves every drafter and
-    depth compared on these prompts."""
+    depth compared on these prompts. `record`: also keep the recordings replays need (see
+    `decode_target_only`)."""
     return [
         decode_target_only(
             model, [prompts[i] for i in batch], max_new_tokens, temperature, eos_token_id,
-            _seeded(model, seed, batch), reuse,
+            _seeded(model, seed, batch), reuse, record,
         )
         for batch in batches_by_length(prompts, batch_size)
     ]
+
+
+def _replayable(baseline: list[BatchOutput] | None, aux_layer_ids: list[int], depth: int) -> bool:
+    """The baseline holds recordings of these aux states, decoded far enough past each end for drafts of
+    `depth`."""
+    return baseline is not None and all(
+        out.recordings is not None
+        and all(r.aux_layer_ids == aux_layer_ids and r.overrun >= depth for r in out.recordings)
+        for out in baseline
+    )
 
 
 def batches_by_length(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
@@ -153,6 +165,7 @@ def probe(
     batch_size: int = 8,
     baseline: list[BatchOutput] | None = None,
     reuse: PrefillCache | None = None,
+    replay: bool = False,
 ) -> ProbeResult:
     """Speculate on every prompt, `batch_size` prompts of similar length at a time, and compare with the
     target decoding the same batches alone (`baseline`, decoded here unless given); count as the engines
@@ -161,32 +174,52 @@ def probe(
 
     With greedy settings, `matches_target` is the share of prompts whose speculative output equals the
     target-only output token for token (1.0 unless floating point flips a near tie).
+
+    `replay` (greedy only): the drafter speculates against the baseline's recordings (`RecordedTarget`), so
+    the target decodes each prompt once for every drafter and depth measured on it; τ and the accepted
+    drafts are those of real verifications, and nothing is timed (no speed metrics).
     """
     if not prompts:
         raise ValueError("probe needs at least one prompt")
     batches = batches_by_length(prompts, batch_size)
     decoder = SpeculativeDecoder(model, drafter, settings)
-    if warmup:  # first calls pay one-time allocation costs that would skew the timings
-        first = [prompts[i][-16:] for i in batches[0]]  # short: a full prefill here costs as much as a batch
-        decoder.generate_batch(first, min(4, max_new_tokens))
+    if replay:
+        if settings.temperature != 0:
+            raise ValueError(f"replay needs greedy settings; temperature is {settings.temperature}")
+        record = (decoder.aux_layer_ids, settings.steps)
+        if not _replayable(baseline, *record):
+            baseline = decode_baseline(model, prompts, max_new_tokens, 0.0, eos_token_id, seed, batch_size,
+                                       reuse, record)
+        spec = [
+            decoder.generate_batch([prompts[i] for i in batch], max_new_tokens, eos_token_id,
+                                   recordings=out.recordings)
+            for batch, out in zip(progress(batches, desc="replay", leave=False), baseline, strict=True)
+        ]
+    else:
+        if baseline is not None and any(out.recordings is not None for out in baseline):
+            baseline = None  # decoded past each end and keeping aux states: not the target alone's speed
+        if warmup:  # first calls pay one-time allocation costs that would skew the timings
+            first = [prompts[i][-16:] for i in batches[0]]  # short: a full prefill costs as much as a batch
+            decoder.generate_batch(first, min(4, max_new_tokens))
+            if compare_target and baseline is None:
+                decode_target_only(model, first, min(4, max_new_tokens))
+        spec = [
+            decoder.generate_batch([prompts[i] for i in batch], max_new_tokens, eos_token_id,
+                                   _seeded(model, seed, batch), reuse)
+            for batch in progress(batches, desc="speculate", leave=False)
+        ]
         if compare_target and baseline is None:
-            decode_target_only(model, first, min(4, max_new_tokens))
-    spec = [
-        decoder.generate_batch([prompts[i] for i in batch], max_new_tokens, eos_token_id,
-                               _seeded(model, seed, batch), reuse)
-        for batch in progress(batches, desc="speculate", leave=False)
-    ]
-    if compare_target and baseline is None:
-        baseline = decode_baseline(model, prompts, max_new_tokens, settings.temperature, eos_token_id, seed,
-                                   batch_size, reuse)
-    target = baseline if compare_target else None
+            baseline = decode_baseline(model, prompts, max_new_tokens, settings.temperature, eos_token_id,
+                                       seed, batch_size, reuse)
+    target = baseline if compare_target or replay else None
     spec_generations = _in_prompt_order(spec, batches)
     target_generations = _in_prompt_order(target, batches) if target else None
     per_prompt = [g.accepted for g in spec_generations]
     metrics = acceptance_metrics([a for accepted in per_prompt for a in accepted], settings.steps)
     interval = intervals.tau_interval(per_prompt, seed=seed)
     metrics |= {"tau_low": interval.low, "tau_high": interval.high, "tau_interval_unit": interval.unit}
-    metrics |= speed_metrics(spec, target, metrics["tau"])
+    if not replay:
+        metrics |= speed_metrics(spec, target, metrics["tau"])
     metrics |= {
         "steps": settings.steps,
         "topk": settings.topk,
@@ -194,9 +227,10 @@ def probe(
         "temperature": settings.temperature,
         "prompts": len(prompts),
         "batch_size": batch_size,
+        "replayed": replay,
         "accepted_per_prompt": per_prompt,
     }
-    if target_generations is not None and settings.temperature == 0:
+    if target_generations is not None and settings.temperature == 0 and not replay:
         same = sum(s.tokens == t.tokens for s, t in zip(spec_generations, target_generations, strict=True))
         metrics["matches_target"] = same / len(spec_generations)
     return ProbeResult(metrics=metrics, spec=spec_generations, target=target_generations, baseline=target)

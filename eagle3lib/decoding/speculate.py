@@ -33,7 +33,14 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from eagle3lib.decoding.batches import DrafterBatch, PrefillCache, TargetBatch, sync
+from eagle3lib.decoding.batches import (
+    DrafterBatch,
+    PrefillCache,
+    RecordedTarget,
+    Recording,
+    TargetBatch,
+    sync,
+)
 from eagle3lib.drafter.config import default_aux_layer_ids
 from eagle3lib.target.model import fast_argmax
 
@@ -370,14 +377,16 @@ def rejection_sample(
 
 
 def accept_path(
-    tree: DraftTree, logits: Tensor, temperature: float, generator: torch.Generator | None
+    tree: DraftTree, logits: Tensor, temperature: float, generator: torch.Generator | None,
+    choice: list[int] | None = None,
 ) -> tuple[list[int], int]:
-    """Walk the tree against the target's logits [N, Vt]: (accepted nodes from the root, bonus token)."""
+    """Walk the tree against the target's logits [N, Vt]: (accepted nodes from the root, bonus token).
+    Greedy, `choice` may give the target's choice at every node instead (its argmax, computed already)."""
     children = tree.children()
     tokens = tree.tokens.tolist()
     path = [0]
     if temperature == 0:
-        choice = fast_argmax(logits).tolist()
+        choice = fast_argmax(logits).tolist() if choice is None else choice
         while True:
             node = path[-1]
             match = [c for c in children[node] if tokens[c] == choice[node]]
@@ -413,6 +422,7 @@ class BatchOutput:
     generations: list[Generation]
     seconds: dict[str, float]  # prefill, draft, verify (speculative) or decode (target only), total
     rounds: int  # forward passes after the prefill: verifications, or target-only decoding steps
+    recordings: list[Recording] | None = None  # target only, asked for: what speculation replays against
 
 
 def _stops(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
@@ -450,18 +460,25 @@ def decode_target_only(
     eos_token_id: int | Iterable[int] | None = None,
     generators: list[torch.Generator | None] | None = None,
     reuse: PrefillCache | None = None,
+    record: tuple[list[int], int] | None = None,
 ) -> BatchOutput:
-    """Plain autoregressive decoding of a batch with a KV cache: the baseline speculation has to beat."""
+    """Plain autoregressive decoding of a batch with a KV cache: the baseline speculation has to beat.
+
+    `record` = (aux layer ids, overrun) also keeps each sequence's `Recording`, decoded `overrun` tokens past
+    its end (replayed drafts may reach beyond it)."""
     generators = _generators(generators, len(prompts))
     device = model.device
-    batch = TargetBatch(model, aux_layer_ids=[])
-    logits, _, prefill = batch.prefill(prompts, reuse)
+    aux_layer_ids, overrun = record or ([], 0)
+    batch = TargetBatch(model, aux_layer_ids=aux_layer_ids)
+    logits, aux, prefill = batch.prefill(prompts, reuse)
     start = time.perf_counter()
     tokens = [[int(select_tokens(logits[b], temperature, generators[b]))] for b in range(len(prompts))]
+    states = [[aux[b, aux.shape[1] - len(p):]] for b, p in enumerate(prompts)] if record else None
     active, rounds = list(range(len(prompts))), 0
     one = torch.ones(1, 1, 1, dtype=torch.bool)
     while True:
-        still = [i for i, seq in enumerate(active) if not _done(tokens[seq], max_new_tokens, eos_token_id)]
+        ended = [t[: max(0, len(t) - overrun)] for t in tokens] if overrun else tokens  # without the overrun
+        still = [i for i, seq in enumerate(active) if not _done(ended[seq], max_new_tokens, eos_token_id)]
         if not still:
             break
         if len(still) < len(active):
@@ -469,7 +486,10 @@ def decode_target_only(
             active = [active[i] for i in still]
         last = torch.tensor([[tokens[seq][-1]] for seq in active])
         depth = torch.zeros(len(active), 1, dtype=torch.long)
-        logits, _ = batch.verify(last, one.expand(len(active), 1, 1), depth)
+        logits, aux = batch.verify(last, one.expand(len(active), 1, 1), depth)
+        if states is not None:
+            for i, seq in enumerate(active):
+                states[seq].append(aux[i])
         if temperature == 0:  # one argmax and one device sync for the batch, not one a sequence (a GPU)
             chosen = fast_argmax(logits[:, -1]).tolist()
         else:
@@ -485,6 +505,10 @@ def decode_target_only(
         generations=[Generation(tokens=_finish(t, max_new_tokens, eos_token_id)) for t in tokens],
         seconds={"prefill": prefill, "decode": total - prefill, "total": total},
         rounds=rounds,
+        recordings=None if states is None else [
+            Recording(prompt, t, torch.cat(s), aux_layer_ids, overrun)
+            for prompt, t, s in zip(prompts, tokens, states, strict=True)
+        ],
     )
 
 
@@ -532,20 +556,32 @@ class SpeculativeDecoder:
         eos_token_id: int | Iterable[int] | None = None,
         generators: list[torch.Generator | None] | None = None,
         reuse: PrefillCache | None = None,
+        recordings: list[Recording] | None = None,
     ) -> BatchOutput:
         """Decode prompts together; each sequence accepts its own number of drafts per round and leaves the
         batch when it is done. Sequence b draws its random numbers from `generators[b]` in the order it would
         alone, so a batch gives each prompt what decoding it alone gives. `reuse` keeps and reuses the
-        target's prefill of these prompts."""
+        target's prefill of these prompts. `recordings` (greedy only): the target's recorded decoding of the
+        prompts answers every verification (`RecordedTarget`) and the target computes nothing."""
         settings, device, eos = self.settings, self.model.device, eos_token_id
+        temperature = settings.temperature
+        if recordings is not None and temperature != 0:
+            raise ValueError(f"replaying recordings needs greedy decoding; temperature is {temperature}")
         generators = _generators(generators, len(prompts))
         drafter_dtype = next(self.drafter.parameters()).dtype
-        target, drafter = TargetBatch(self.model, self.aux_layer_ids), DrafterBatch(self.drafter)
+        if recordings is None:
+            target = TargetBatch(self.model, self.aux_layer_ids)
+        else:
+            target = RecordedTarget(recordings)
+        drafter = DrafterBatch(self.drafter)
         logits, aux, prefill = target.prefill(prompts, reuse)
         seconds = {"prefill": prefill, "draft": 0.0, "verify": 0.0}
         start = time.perf_counter()
-        temperature = settings.temperature
-        roots = [int(select_tokens(row, temperature, g)) for row, g in zip(logits, generators, strict=True)]
+        if target.gives_choices:
+            roots = logits.tolist()
+        else:
+            roots = [int(select_tokens(row, temperature, g))
+                     for row, g in zip(logits, generators, strict=True)]
         tokens = [[root] for root in roots]
         accepted: list[list[int]] = [[] for _ in prompts]
         # rows the drafter has not seen yet, per batch row: aux state of position t with token t+1, position
@@ -580,11 +616,9 @@ class SpeculativeDecoder:
             draft_logits, layer_out = drafter.feed(
                 ids.to(device), hidden.to(drafter_dtype), positions.to(device), rows_valid
             )
-            last = torch.tensor([len(p) - 1 for p in pending_ids], device=device)
-            here = torch.arange(size, device=device)
             trees = draft_trees(
-                drafter, torch.tensor(roots), draft_logits[here, last], layer_out[here, last], target.lengths,
-                settings, [generators[seq] for seq in active],
+                drafter, torch.tensor(roots), draft_logits, layer_out, target.lengths, settings,
+                [generators[seq] for seq in active],
             )
             sync(device)
             tock = time.perf_counter()
@@ -594,9 +628,13 @@ class SpeculativeDecoder:
                 torch.stack([t.tokens for t in trees]), torch.stack([t.ancestor_mask() for t in trees]),
                 torch.stack([t.depths for t in trees]).cpu(),
             )
+            choices = None  # greedy: the target's choice at every node, one argmax for the batch
+            if target.gives_choices or temperature == 0:
+                choices = (logits if target.gives_choices else fast_argmax(logits)).tolist()
             kept = torch.zeros(size, len(trees[0]), dtype=torch.bool)
             for i, (seq, tree) in enumerate(zip(active, trees, strict=True)):
-                path, bonus = accept_path(tree, logits[i], settings.temperature, generators[seq])
+                path, bonus = accept_path(tree, logits[i], temperature, generators[seq],
+                                          None if choices is None else choices[i])
                 kept[i, path] = True
                 new = tree.tokens[path[1:]].tolist() + [bonus]
                 accepted[seq].append(len(path) - 1)

@@ -81,6 +81,7 @@ def tau_and_speedup(results: dict[str, dict], path: str | os.PathLike | None = N
     speedup those τ and step costs allow."""
     names = list(results)
     keys = [("tau", "τ (95 % interval)"), ("speedup", "speedup"), ("ideal_speedup", "ideal speedup")]
+    keys = [(key, label) for key, label in keys if all(key in results[n] for n in names)]  # replays: τ
     fig, axis = plt.subplots(figsize=(max(6.0, 1.6 * len(names) + 2), 4.2))
     width = 0.8 / len(keys)
     for i, (key, label) in enumerate(keys):
@@ -89,8 +90,8 @@ def tau_and_speedup(results: dict[str, dict], path: str | os.PathLike | None = N
         if key == "tau" and all(results[n].get("tau_low") is not None for n in names):
             errors = [[v - results[n]["tau_low"] for v, n in zip(values, names, strict=True)],
                       [results[n]["tau_high"] - v for v, n in zip(values, names, strict=True)]]
-        bars = axis.bar([x + (i - 1) * width for x in range(len(names))], values, width, label=label,
-                        yerr=errors, capsize=4 if errors else 0)
+        places = [x + (i - (len(keys) - 1) / 2) * width for x in range(len(names))]
+        bars = axis.bar(places, values, width, label=label, yerr=errors, capsize=4 if errors else 0)
         axis.bar_label(bars, fmt="%.2f", fontsize=8, padding=2)
     axis.axhline(1.0, color="grey", linewidth=1)
     axis.set_xticks(range(len(names)), names, rotation=15, ha="right")
