@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from eagle3lib import files
 from eagle3lib.data import benchmarks
 from eagle3lib.data.layout import DataError
 from eagle3lib.decoding import curves, evaluate
@@ -146,8 +147,15 @@ def test_a_published_record_keeps_the_curves_and_refuses_an_edit(tmp_path, curve
     assert record["arms"] == {arm: curves.read_points(out / arm) for arm in arms}
     assert record["findings"] == curves.findings(record["arms"], record["source"])
     assert (folder / publish.CURVES_FIGURE).stat().st_size > 0
+    assert record["stopped"] == {} and all(record["seconds"].values())
     with pytest.raises(FileExistsError):
         publish.publish_curves(run, folder, command="again")
+    # an arm stopped mid-run (no summary.json): its measured points published, where its log stopped said
+    (run / "04_finetune" / "scratch" / "summary.json").unlink()
+    cut = publish.read_record(publish.publish_curves(run, tmp_path / "records" / "cut", command="cut"))
+    last = files.read_json_lines(out / "scratch" / "metrics.jsonl")[-1]["step"]
+    assert cut["stopped"] == {"scratch": last} and cut["seconds"]["scratch"] is None
+    assert cut["arms"]["scratch"] == record["arms"]["scratch"]
     edited = json.loads((folder / publish.CURVES).read_text()) | {"commit": "edited"}
     (folder / publish.CURVES).write_text(json.dumps(edited))
     with pytest.raises(CheckpointError, match=publish.CURVES):

@@ -75,21 +75,25 @@ def publish_curves(run_dir: Path, out: Path, *, command: str) -> Path:
     """A run's τ along training as a committed record `out/`: `curves.json` (every measured arm's points,
     the source drafter as-is, what a point cost, what the curves say in training tokens, the recipe, the
     command, the commit 04 ran at, the machine, each arm's training seconds), the figure, and
-    `provenance.json` with both files' SHA-256, which `read_record` checks."""
+    `provenance.json` with both files' SHA-256, which `read_record` checks. An arm stopped before its last
+    step (a session's end) keeps the points it measured; `stopped` gives the step its log reached."""
     finetune = Path(run_dir) / runs.FINETUNE
     arms = sorted(p.name for p in finetune.iterdir() if (p / curves.CURVE_FILE).is_file())
     points, source = curves.read_curves(finetune, arms)
     if not points:
         raise PublishError(f"{finetune}: no arm was measured along training (train.validation_prompts)")
     trained = training_provenance(json.loads((Path(run_dir) / "metrics.json").read_text()))
+    summaries = {arm: finetune / arm / "summary.json" for arm in arms}
     record = {
         "command": command,
         "commit": trained["git commit"],
         "machine": trained.get("machine", "not recorded"),
         "budget": json.loads((finetune / curves.VALIDATION_FILE).read_text())["budget"],
         "recipe": yaml.safe_load((Path(run_dir) / "params.yaml").read_text()),
-        "seconds": {arm: json.loads((finetune / arm / "summary.json").read_text())["seconds"]
-                    for arm in arms},
+        "seconds": {arm: json.loads(path.read_text())["seconds"] if path.is_file() else None
+                    for arm, path in summaries.items()},
+        "stopped": {arm: files.read_json_lines(finetune / arm / "metrics.jsonl")[-1]["step"]
+                    for arm, path in summaries.items() if not path.is_file()},
         "training_seconds": {arm: training_seconds(finetune / arm) for arm in arms},
         "findings": curves.findings(points, source),
         "arms": points,
