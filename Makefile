@@ -111,6 +111,7 @@ bench: setup bench-venv
 	$(PY) bench/bench_train.py
 	$(PY) bench/bench_capture.py
 	$(PY) bench/bench_speculate.py
+	$(PY) bench/bench_replay.py
 	$(PY) bench/bench_small_products.py
 	$(PY) bench/bench_online.py
 	$(PY) bench/bench_reproducibility.py
