@@ -176,8 +176,9 @@ def probe(
     target-only output token for token (1.0 unless floating point flips a near tie).
 
     `replay` (greedy only): the drafter speculates against the baseline's recordings (`RecordedTarget`), so
-    the target decodes each prompt once for every drafter and depth measured on it; τ and the accepted
-    drafts are those of real verifications, and nothing is timed (no speed metrics).
+    the target decodes each prompt once for every drafter and depth measured on it; the accepted drafts are
+    those real verifications accept where the target's states agree (float32; in bf16 real runs leave the
+    target's own output at near ties), and nothing is timed (no speed metrics).
     """
     if not prompts:
         raise ValueError("probe needs at least one prompt")
