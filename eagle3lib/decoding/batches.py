@@ -429,6 +429,7 @@ class RecordedTarget:
         self.recordings = recordings
         self._rows = list(range(len(recordings)))  # the recordings of the sequences still decoding
         self._root = [0] * len(recordings)  # each sequence's root: an index into its recorded tokens
+        self._paths = [torch.tensor(r.tokens) for r in recordings]
 
     def prefill(self, prompts: list[list[int]], reuse: PrefillCache | None = None
                 ) -> tuple[Tensor, Tensor, float]:
@@ -460,7 +461,7 @@ class RecordedTarget:
                     f"a draft reaches recorded token {deepest} of a recording of {len(recorded.tokens)}: "
                     "record with an overrun of at least the draft depth"
                 )
-            path = torch.tensor(recorded.tokens)
+            path = self._paths[b]
             # nodes holding the recorded token at their depth; their ancestors need no check: acceptance walks
             # from the root through matching children only, so it reaches none whose ancestors do not match
             nodes = (tokens[i] == path[root + depths[i]]).nonzero().flatten()

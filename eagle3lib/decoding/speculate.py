@@ -376,23 +376,28 @@ def rejection_sample(
     return None, int(torch.multinomial(p, 1, generator=generator))
 
 
-def accept_path(
-    tree: DraftTree, logits: Tensor, temperature: float, generator: torch.Generator | None,
-    choice: list[int] | None = None,
-) -> tuple[list[int], int]:
-    """Walk the tree against the target's logits [N, Vt]: (accepted nodes from the root, bonus token).
-    Greedy, `choice` may give the target's choice at every node instead (its argmax, computed already)."""
+def accept_greedy(tree: DraftTree, choice: list[int]) -> tuple[list[int], int]:
+    """Walk the tree along the target's greedy choice at each node: (accepted nodes from the root, bonus
+    token)."""
     children = tree.children()
     tokens = tree.tokens.tolist()
     path = [0]
-    if temperature == 0:
-        choice = fast_argmax(logits).tolist() if choice is None else choice
-        while True:
-            node = path[-1]
-            match = [c for c in children[node] if tokens[c] == choice[node]]
-            if not match:
-                return path, choice[node]
-            path.append(match[0])
+    while True:
+        node = path[-1]
+        match = [c for c in children[node] if tokens[c] == choice[node]]
+        if not match:
+            return path, choice[node]
+        path.append(match[0])
+
+
+def accept_sampled(
+    tree: DraftTree, logits: Tensor, temperature: float, generator: torch.Generator | None
+) -> tuple[list[int], int]:
+    """Walk the tree against the target's logits [N, Vt] by rejection sampling: (accepted nodes from the root,
+    bonus token)."""
+    children = tree.children()
+    tokens = tree.tokens.tolist()
+    path = [0]
     while True:
         node = path[-1]
         kids = children[node]
@@ -628,13 +633,14 @@ class SpeculativeDecoder:
                 torch.stack([t.tokens for t in trees]), torch.stack([t.ancestor_mask() for t in trees]),
                 torch.stack([t.depths for t in trees]).cpu(),
             )
-            choices = None  # greedy: the target's choice at every node, one argmax for the batch
-            if target.gives_choices or temperature == 0:
+            if temperature == 0:  # the target's choice at every node: one argmax for the batch
                 choices = (logits if target.gives_choices else fast_argmax(logits)).tolist()
             kept = torch.zeros(size, len(trees[0]), dtype=torch.bool)
             for i, (seq, tree) in enumerate(zip(active, trees, strict=True)):
-                path, bonus = accept_path(tree, logits[i], temperature, generators[seq],
-                                          None if choices is None else choices[i])
+                if temperature == 0:
+                    path, bonus = accept_greedy(tree, choices[i])
+                else:
+                    path, bonus = accept_sampled(tree, logits[i], temperature, generators[seq])
                 kept[i, path] = True
                 new = tree.tokens[path[1:]].tolist() + [bonus]
                 accepted[seq].append(len(path) - 1)
