@@ -143,8 +143,9 @@ class EvaluateSection:
     replay: bool = setting(
         True,
         "greedy builtin benchmarks: each drafter replayed against the target's recorded decoding of the "
-        "prompts (the accepted drafts of real verification; the target decodes a benchmark once; untimed: "
-        "the sweep measures speed); false: every drafter verified by the target, timed at probe.batch_size",
+        "prompts (the drafts real verification accepts, bf16's near ties aside; the target decodes a "
+        "benchmark once; untimed: the sweep measures speed); false: every drafter verified by the target, "
+        "timed at probe.batch_size",
     )
     record: str = setting(
         "", 'a committed record of τ along training (records/<name>, eagle3 publish-curves) shown beside the '
