@@ -1,13 +1,17 @@
 """Regeneration throughput: the target's replies to ShareGPT first turns through the built-in engine and vLLM.
 
     .venv/bin/python bench/bench_regenerate.py [--prompts 64] [--max-new-tokens 128] [--batch-sizes 8,32]
-                                               [--dtypes bfloat16,float32] [--engines builtin,vllm]
+                                               [--dtypes bfloat16,float32]
+                                               [--engines builtin,builtin-compiled,vllm] [--chunk N]
 
 The same prompts (the first user turns of ShareGPT's training split whose chat prompt fits
 --max-prompt-tokens), greedy, each engine as `eagle3 regenerate` drives it: the built-in engine decodes
-`--batch-sizes` replies together (prompts of similar length); vLLM (its venv, `make vllm-setup`) gets the
-prompts `--batch-sizes` at a time and schedules them itself. Prints reply tokens/s per engine, dtype and
-batch, and the machine; vLLM's start-up (loading, warm-up) is timed apart.
+`--batch-sizes` replies together (prompts of similar length), `builtin-compiled` through one compiled graph
+(`eagle3 regenerate --compiled`, its compilation timed apart); vLLM (its venv, `make vllm-setup`) gets the
+prompts `--batch-sizes` at a time and schedules them itself. `--chunk N` hands every engine N prompts a call
+instead, as `eagle3 regenerate` does (its chunks are 4 x --batch-size conversations): the built-in engine
+then decodes them in batches of similar length, vLLM all N at once. Prints reply tokens/s per engine, dtype
+and batch, and the machine; vLLM's start-up (loading, warm-up) is timed apart.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ def main() -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=384)
     parser.add_argument("--batch-sizes", default="8,32")
     parser.add_argument("--dtypes", default="bfloat16,float32")
-    parser.add_argument("--engines", default="builtin,vllm")
+    parser.add_argument("--engines", default="builtin,builtin-compiled,vllm")
+    parser.add_argument("--chunk", type=int, help="prompts an engine gets a call (default: the batch size)")
     args = parser.parse_args()
     print(machine_description())
     sizes = [int(size) for size in args.batch_sizes.split(",")]
@@ -65,17 +70,20 @@ def main() -> None:
               f"{args.max_new_tokens} new tokens at most, greedy")
         for name in args.engines.split(","):
             for size in sizes:
-                settings = regenerate.RegenerationSettings(engine=name, max_new_tokens=args.max_new_tokens,
-                                                           batch_size=size, dtype=dtype)
+                settings = regenerate.RegenerationSettings(
+                    engine=name.removesuffix("-compiled"), compiled=name.endswith("-compiled"),
+                    max_new_tokens=args.max_new_tokens, batch_size=size, dtype=dtype)
                 started = time.perf_counter()
                 with tempfile.TemporaryDirectory() as work, \
                         regenerate.make_engine(settings, target, renderer, Path(work)) as engine:
+                    chunk = args.chunk or size
+                    timed(engine, batch[:chunk], chunk)  # warm-up: the first calls allocate (and compile)
                     ready = time.perf_counter() - started
-                    timed(engine, batch[:size], size)  # warm-up: the first calls allocate
-                    tokens, seconds = timed(engine, batch, size)
-                start_note = f" (start-up {ready:.0f} s, not counted)" if name == "vllm" else ""
-                print(f"  {name:>7} {dtype:>8} batch {size:>3}: {tokens:6,} reply tokens in {seconds:6.1f} s "
-                      f"= {tokens / seconds:6.1f} tok/s{start_note}", flush=True)
+                    tokens, seconds = timed(engine, batch, chunk)
+                start_note = f" (start-up {ready:.0f} s, not counted)" if name != "builtin" else ""
+                calls = f", {chunk} prompts a call" if args.chunk else ""
+                print(f"  {name:>7} {dtype:>8} batch {size:>3}{calls}: {tokens:6,} reply tokens in "
+                      f"{seconds:6.1f} s = {tokens / seconds:6.1f} tok/s{start_note}", flush=True)
 
 
 if __name__ == "__main__":

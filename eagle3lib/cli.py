@@ -639,6 +639,8 @@ def _regenerate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning", choices=["save", "drop", "inline"], default=defaults.reasoning,
                    help="a reply's reasoning: saved apart in reasoning_content, as a serving stack's "
                         "reasoning parser returns it (default), dropped, or left inline in the content")
+    p.add_argument("--compiled", action="store_true", help="engine builtin: decode through one compiled "
+                   "graph (a Llama-like target; about a minute to compile, then faster steps)")
 
 
 @command("regenerate", "replace every assistant turn of a conversation dataset by the target's own reply",
@@ -657,7 +659,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         engine=args.engine, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
         batch_size=args.batch_size, max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens,
         dtype=args.dtype, url=args.url, model=args.model, chat_template_kwargs=args.chat_template_kwargs,
-        reasoning=args.reasoning)
+        reasoning=args.reasoning, compiled=args.compiled)
     settings.check()
     if args.engine == "server":  # a GPU host's model: its tokenizer and config, not its weights, here
         target = regenerate.TargetFacts.read(args.target)

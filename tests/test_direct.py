@@ -18,6 +18,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from eagle3lib.decoding import batches
 from eagle3lib.decoding.batches import TargetBatch
 from eagle3lib.decoding.speculate import decode_target_only
 from eagle3lib.target import direct
@@ -111,3 +112,55 @@ def test_only_llama_like_decoders_with_full_attention_are_run_directly():
         assert TargetBatch(model, AUX)._direct is None
     with pytest.raises(ValueError, match="gemma2"):
         direct.DirectDecoder(gemma)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_compiled_decoding_gives_the_eager_tokens_and_states(family, monkeypatch):
+    """The compiled graph over preallocated buffers (`DirectDecoder.into_buffers`, Inductor freezing the
+    weights) computes the eager decoder's states and aux states to float32 rounding, and greedy batches of 1,
+    3 and 8 prompts of different lengths, finishing at an end token mid-batch and so changing the batch's
+    shape, decode token for token as eagerly: every step compiled, or only those whose runs skip no padding
+    (the others eager, on the same buffers)."""
+    model = tiny(family)
+    model.set_attn_implementation("sdpa_shared_kv")  # as `Target.load` sets it: runs of rows skip padding
+    pack_linears(model)
+    compiled_steps = []
+    into_buffers = direct.DirectDecoder.into_buffers
+    monkeypatch.setattr(direct.DirectDecoder, "into_buffers",
+                        lambda self, ids, *a: compiled_steps.append(ids.shape) or into_buffers(self, ids, *a))
+    eager, compiled = TargetBatch(model, AUX), TargetBatch(model, AUX, compiled=True)
+    assert compiled._direct.compiled is not None and eager._direct.compiled is None
+    prompts = [[5, 9, 2], [7] * 6, [1], [3, 4], [8] * 11, [2, 2, 9, 1], [6], [40, 41, 42, 43, 44]]
+    for batch in (eager, compiled):
+        batch.prefill(prompts[:3])
+    step = torch.tensor([[3, 1], [4, 1], [5, 9]]), torch.ones(3, 2, 2, dtype=torch.bool).tril(), torch.zeros(
+        3, 2, dtype=torch.long) + torch.tensor([0, 1])
+    for ours, theirs in zip(compiled.verify(*step), eager.verify(*step), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert compiled_steps == [(3, 2)]  # the prefill is eager, the tree's step compiled
+    assert compiled.cache.layers[0].keys.shape == eager.cache.layers[0].keys.shape
+
+    def greedy(compile_: bool) -> list[list[list[int]]]:
+        return [[g.tokens for g in decode_target_only(model, prompts[:n], 16, eos_token_id=[29, 37],
+                                                      compiled=compile_).generations] for n in (1, 3, 8)]
+
+    reference = greedy(False)
+    assert any(len(tokens) < 16 for tokens in reference[-1])  # some finish mid-batch
+    compiled_steps.clear()
+    assert greedy(True) == reference
+    every_step = len(compiled_steps)
+    monkeypatch.setattr(batches, "RUN_COST_COLUMNS", 0)  # runs that skip all padding
+    monkeypatch.setattr(batches, "COMPILED_SAVES_COLUMNS", 0)  # and a step whose runs skip any: eager
+    compiled_steps.clear()
+    assert greedy(True) == reference
+    assert 0 < len(compiled_steps) < every_step
+
+
+def test_skipped_columns_count_the_left_padding_runs_skip():
+    assert batches._skipped_columns(None) == 0
+    assert batches._skipped_columns([(0, 3, 0), (3, 5, 40), (5, 6, 90)]) == 2 * 40 + 90
+
+
+def test_only_a_direct_decoder_is_compiled():
+    with pytest.raises(ValueError, match="gemma2.*compiled"):
+        TargetBatch(Gemma2ForCausalLM(Gemma2Config(**SHAPE)), AUX, compiled=True)

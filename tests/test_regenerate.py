@@ -403,3 +403,21 @@ def test_an_unrenderable_conversation_is_counted_and_the_chunk_keeps_the_others_
         tiny.tokenizer.chat_template = saved
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "c"]
     assert manifest["counts"]["skipped"] == {"the chat template refuses it": 1}
+
+
+def test_compiled_builtin_decoding_writes_the_eager_replies_and_a_manifest_from_before_it_still_matches(
+        tiny, tmp_path):
+    """`compiled` (the builtin engine's steps through one compiled graph): the same float32 replies, recorded
+    in the manifest; a finished file whose manifest predates the setting is the same regeneration (it
+    decoded eagerly, the setting's default), not one made otherwise; other engines refuse it."""
+    eager = run(tiny, tmp_path / "eager.jsonl")
+    compiled = regen.RegenerationSettings(max_new_tokens=6, batch_size=2, compiled=True)
+    assert run(tiny, tmp_path / "compiled.jsonl", compiled)["settings"]["compiled"] is True
+    assert (tmp_path / "compiled.jsonl").read_text() == (tmp_path / "eager.jsonl").read_text()
+    manifest_file = regen.manifest_path(tmp_path / "eager.jsonl")
+    older = json.loads(manifest_file.read_text())
+    del older["settings"]["compiled"]
+    manifest_file.write_text(json.dumps(older))
+    assert run(tiny, tmp_path / "eager.jsonl")["counts"] == eager["counts"]  # finished: nothing regenerated
+    with pytest.raises(regen.RegenerationError, match="compiled decoding is the builtin engine's"):
+        regen.RegenerationSettings(engine="vllm", compiled=True).check()

@@ -466,15 +466,18 @@ def decode_target_only(
     generators: list[torch.Generator | None] | None = None,
     reuse: PrefillCache | None = None,
     record: tuple[list[int], int] | None = None,
+    compiled: bool = False,
 ) -> BatchOutput:
     """Plain autoregressive decoding of a batch with a KV cache: the baseline speculation has to beat.
 
     `record` = (aux layer ids, overrun) also keeps each sequence's `Recording`, decoded `overrun` tokens past
-    its end (replayed drafts may reach beyond it)."""
+    its end (replayed drafts may reach beyond it). `compiled`: the decoding steps through one compiled graph
+    of a Llama-like target (`target.direct.DirectDecoder`; the first step of a process compiles it, about a
+    minute for SmolLM2-135M on 2 cores)."""
     generators = _generators(generators, len(prompts))
     device = model.device
     aux_layer_ids, overrun = record or ([], 0)
-    batch = TargetBatch(model, aux_layer_ids=aux_layer_ids)
+    batch = TargetBatch(model, aux_layer_ids=aux_layer_ids, compiled=compiled)
     logits, aux, prefill = batch.prefill(prompts, reuse)
     start = time.perf_counter()
     tokens = [[int(select_tokens(logits[b], temperature, generators[b]))] for b in range(len(prompts))]

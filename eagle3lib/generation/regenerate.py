@@ -75,6 +75,9 @@ class RegenerationSettings:
     # the target's thinking mode: its chat template's switches, and where a reply's reasoning is kept
     chat_template_kwargs: dict = field(default_factory=dict)
     reasoning: str = "save"  # save: apart, in reasoning_content (as a parser gives it) | drop | inline
+    # builtin: the decoding steps through one compiled graph (a Llama-like target, `target.direct`): 1.2x
+    # at batch 32 on the 2-core Xeon after about a minute's compilation (bench/RESULTS.md §10)
+    compiled: bool = False
 
     def check(self) -> None:
         problems = []
@@ -86,6 +89,8 @@ class RegenerationSettings:
             problems.append(f"temperature must be >= 0, got {self.temperature}")
         if self.engine == "server" and not self.url:
             problems.append("engine server needs a url (an SGLang or vLLM server, OpenAI-compatible)")
+        if self.compiled and self.engine != "builtin":
+            problems.append(f"compiled decoding is the builtin engine's, not {self.engine}'s")
         if self.reasoning not in REASONING:
             problems.append(f"reasoning must be one of {', '.join(REASONING)}, got {self.reasoning!r}")
         if not isinstance(self.chat_template_kwargs, dict):
@@ -190,7 +195,7 @@ class BuiltinEngine(Engine):
             generators = [torch.Generator(self.target.device).manual_seed(requests[i].seed) for i in batch]
             settings = self.settings
             out = decode_target_only(self.target.model, [prompts[i] for i in batch], settings.max_new_tokens,
-                                     settings.temperature, self.stop, generators)
+                                     settings.temperature, self.stop, generators, compiled=settings.compiled)
             for i, generation in zip(batch, out.generations, strict=True):
                 found[i] = self._reply(generation.tokens)
         return [found[i] for i in range(len(requests))]
@@ -269,6 +274,11 @@ def make_engine(settings: RegenerationSettings, target, renderer: ChatRenderer, 
         if settings.dtype not in ("auto", str(target.dtype).removeprefix("torch.")):
             raise RegenerationError(f"the builtin engine decodes with the target as loaded ({target.dtype}): "
                                     f"set target.dtype to {settings.dtype}, or the regeneration's to auto")
+        from eagle3lib.target import direct
+
+        if settings.compiled and not direct.supports(target.model):
+            raise RegenerationError(f"compiled decoding needs a Llama-like target with full attention "
+                                    f"(target.direct); {target.name} is {target.model.config.model_type}")
         return BuiltinEngine(target, settings)
     if settings.engine == "vllm":
         from eagle3lib.decoding.engines import target_folder
@@ -450,12 +460,23 @@ def _enough(counts: dict, limit: int | None, enough_tokens: int | None) -> bool:
         enough_tokens is not None and counts["template_tokens"] >= enough_tokens)
 
 
+def _read_manifest(manifest_file: Path) -> dict | None:
+    """A manifest, a setting added since it was written read as its default (what the code that wrote it
+    did)."""
+    if not manifest_file.exists():
+        return None
+    manifest = json.loads(manifest_file.read_text())
+    if isinstance(manifest.get("settings"), dict):
+        manifest["settings"] = {**asdict(RegenerationSettings()), **manifest["settings"]}
+    return manifest
+
+
 def _finished(out: Path, wanted: dict) -> dict | None:
     """The manifest of a regeneration finished with `wanted`'s inputs, settings and size, if there is one:
     the file in place, or staged with the hash its complete manifest records (a kill before the rename:
     renamed now). None when there is nothing finished to return."""
     manifest_file, staged = manifest_path(out), staged_path(out)
-    manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {}
+    manifest = _read_manifest(manifest_file) or {}
     if not out.exists() and not (manifest.get("complete") and staged.exists()):
         return None
     changed = [f"{key}: {manifest.get(key)!r} -> {value!r}" for key, value in wanted.items()
@@ -482,7 +503,7 @@ def _resume(partial: Path, manifest_file: Path, identity: dict) -> tuple[list[st
     """(the ids already written, the counts so far, the id of the last conversation a committed chunk held),
     after checking that the earlier run used this source, target and settings (a new limit or token budget
     may differ). A run that wrote nothing leaves nothing to continue: it starts afresh whatever it was."""
-    earlier = json.loads(manifest_file.read_text()) if manifest_file.exists() else None
+    earlier = _read_manifest(manifest_file)
     if not partial.exists() or not earlier or not earlier.get("lines"):
         if partial.exists() and not earlier:
             raise RegenerationError(f"{partial} has no manifest ({manifest_file}) beside it: cannot tell "
