@@ -164,28 +164,3 @@ def test_skipped_columns_count_the_left_padding_runs_skip():
 def test_only_a_direct_decoder_is_compiled():
     with pytest.raises(ValueError, match="gemma2.*compiled"):
         TargetBatch(Gemma2ForCausalLM(Gemma2Config(**SHAPE)), AUX, compiled=True)
-
-
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_fewer_rows_than_prompts_decode_each_prompt_as_alone(temperature):
-    """Continuous batching (`decode_target_only(batch_size=...)`, `TargetBatch.admit`): with 1, 2 or 3 rows
-    for 8 prompts of different lengths, waiting prompts join as others finish at an end token or the length
-    limit, and each prompt decodes what it decodes alone, token for token, sampled ones from their own
-    generators; recorded aux states too."""
-    model = tiny("llama")
-    model.set_attn_implementation("sdpa_shared_kv")
-    pack_linears(model)
-    prompts = [[5, 9, 2], [7] * 6, [1], [3, 4], [8] * 11, [2, 2, 9, 1], [6], [40, 41, 42, 43, 44]]
-
-    def seeded() -> list[torch.Generator]:
-        return [torch.Generator().manual_seed(i) for i in range(len(prompts))]
-
-    alone = [decode_target_only(model, [p], 16, temperature, [29, 37], [g], record=(AUX, 2)).recordings[0]
-             for p, g in zip(prompts, seeded(), strict=True)]
-    assert len({len(r.tokens) for r in alone}) > 1  # finishing at different steps
-    for rows in (1, 2, 3):
-        out = decode_target_only(model, prompts, 16, temperature, [29, 37], seeded(), record=(AUX, 2),
-                                 batch_size=rows)
-        for ours, theirs in zip(out.recordings, alone, strict=True):
-            assert ours.tokens == theirs.tokens
-            torch.testing.assert_close(ours.aux, theirs.aux, rtol=1e-5, atol=1e-5)

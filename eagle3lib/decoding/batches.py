@@ -434,34 +434,6 @@ class TargetBatch:
             for layer, keys, values in zip(layers, moved[0::2], moved[1::2], strict=True):
                 layer.keys, layer.values = keys, values
 
-    def admit(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor | None]:
-        """New sequences join after the ones still decoding (continuous batching): their prompts prefilled
-        apart, then the live rows and the new ones laid into one new cache, right-aligned (finished rows
-        still held are dropped in the same copy). The new prompts' last logits and aux states, as `prefill`
-        gives them."""
-        joining = TargetBatch(self.model, self.aux_layer_ids)
-        logits, aux, _ = joining.prefill(prompts)
-        live = torch.arange(len(self._lengths)) if self._live is None else self._live
-        old, new = self.valid.shape[1], joining.valid.shape[1]
-        width, rows = max(old, new), len(live) + len(prompts)
-        index = live.to(self.model.device)
-        for layer, joined in zip(self.cache.layers, joining.cache.layers, strict=True):
-            pair = []
-            for mine, theirs in ((layer.keys, joined.keys), (layer.values, joined.values)):
-                # zeros: the columns in front of a row's own are masked, but must not be NaN (0 x NaN is NaN)
-                buffer = theirs.new_zeros(rows, theirs.shape[1], width + AppendLayer.room, theirs.shape[3])
-                if old:
-                    buffer[: len(live), :, width - old : width] = mine[index]
-                buffer[len(live) :, :, width - new : width] = theirs
-                pair.append(buffer)
-            layer.adopt(*pair, width)
-        valid = torch.zeros(rows, width, dtype=torch.bool)
-        valid[: len(live), width - old :] = self.valid[live]
-        valid[len(live) :, width - new :] = joining.valid
-        self.valid, self._lengths = valid, torch.cat([self._lengths[live], joining._lengths])
-        self._runs = self._live = None
-        return logits, aux
-
     def select(self, rows: Tensor) -> None:
         """Keep only these sequences (finished ones drop out of the batch; their rows are cut out of the cache
         once they are a quarter of it)."""

@@ -44,10 +44,6 @@ from eagle3lib.decoding.batches import (
 from eagle3lib.drafter.config import default_aux_layer_ids
 from eagle3lib.target.model import fast_argmax
 
-# Target-only decoding with fewer rows than prompts: waiting prompts join once this share of the rows is free
-# (each joining copies the live cache once, as cutting finished rows does)
-REFILL_FRACTION = 0.125
-
 # ---------------------------------------------------------------- checks before any decoding
 
 
@@ -471,52 +467,31 @@ def decode_target_only(
     reuse: PrefillCache | None = None,
     record: tuple[list[int], int] | None = None,
     compiled: bool = False,
-    batch_size: int | None = None,
 ) -> BatchOutput:
     """Plain autoregressive decoding of a batch with a KV cache: the baseline speculation has to beat.
 
     `record` = (aux layer ids, overrun) also keeps each sequence's `Recording`, decoded `overrun` tokens past
     its end (replayed drafts may reach beyond it). `compiled`: the decoding steps through one compiled graph
     of a Llama-like target (`target.direct.DirectDecoder`; the first step of a process compiles it, about a
-    minute for SmolLM2-135M on 2 cores). `batch_size`: at most that many sequences decode together, the
-    prompts joining in the order given as others finish (`REFILL_FRACTION`; their prefills count as
-    decoding time)."""
+    minute for SmolLM2-135M on 2 cores)."""
     generators = _generators(generators, len(prompts))
     device = model.device
     aux_layer_ids, overrun = record or ([], 0)
-    capacity = batch_size or len(prompts)
-    if reuse is not None and capacity < len(prompts):
-        raise ValueError("a reused prefill is of whole batches: give no batch_size smaller than the prompts")
     batch = TargetBatch(model, aux_layer_ids=aux_layer_ids, compiled=compiled)
-    logits, aux, prefill = batch.prefill(prompts[:capacity], reuse)
+    logits, aux, prefill = batch.prefill(prompts, reuse)
     start = time.perf_counter()
-    tokens: list[list[int]] = [[] for _ in prompts]
-    states: list[list[Tensor]] | None = [[] for _ in prompts] if record else None
-    active, pending, rounds = [], list(range(len(prompts))), 0
-
-    def join(count: int, logits: Tensor, aux: Tensor | None) -> None:
-        for b, seq in enumerate(pending[:count]):
-            tokens[seq].append(int(select_tokens(logits[b], temperature, generators[seq])))
-            if states is not None:
-                states[seq].append(aux[b, aux.shape[1] - len(prompts[seq]):])
-        active.extend(pending[:count])
-        del pending[:count]
-
-    join(capacity, logits, aux)
+    tokens = [[int(select_tokens(logits[b], temperature, generators[b]))] for b in range(len(prompts))]
+    states = [[aux[b, aux.shape[1] - len(p):]] for b, p in enumerate(prompts)] if record else None
+    active, rounds = list(range(len(prompts))), 0
     one = torch.ones(1, 1, 1, dtype=torch.bool)
     while True:
         ended = [t[: max(0, len(t) - overrun)] for t in tokens] if overrun else tokens  # without the overrun
         still = [i for i, seq in enumerate(active) if not _done(ended[seq], max_new_tokens, eos_token_id)]
-        if len(still) < len(active):
-            batch.select(torch.tensor(still, dtype=torch.long))
-            active[:] = [active[i] for i in still]
-        free = capacity - len(active)
-        if pending and (free >= max(1, int(capacity * REFILL_FRACTION)) or not active):
-            count = min(free, len(pending))
-            join(count, *batch.admit([prompts[seq] for seq in pending[:count]]))
-            continue  # a joining prompt may be done at its first token
-        if not active:
+        if not still:
             break
+        if len(still) < len(active):
+            batch.select(torch.tensor(still))
+            active = [active[i] for i in still]
         last = torch.tensor([[tokens[seq][-1]] for seq in active])
         depth = torch.zeros(len(active), 1, dtype=torch.long)
         logits, aux = batch.verify(last, one.expand(len(active), 1, 1), depth)

@@ -177,8 +177,7 @@ class Engine:
 
 
 class BuiltinEngine(Engine):
-    """The target in this process (`target.model.Target`): a call's prompts by length, `batch_size` of them
-    decoding together, each finished reply's row taken by the next prompt."""
+    """The target in this process (`target.model.Target`), prompts of similar length decoded together."""
 
     def __init__(self, target, settings: RegenerationSettings):
         self.target, self.settings = target, settings
@@ -187,19 +186,19 @@ class BuiltinEngine(Engine):
     def replies(self, requests: list[Request]) -> list[Reply]:
         import torch
 
+        from eagle3lib.decoding.probe import batches_by_length
         from eagle3lib.decoding.speculate import decode_target_only
 
+        found: dict[int, Reply] = {}
         prompts = [r.prompt_ids for r in requests]
-        # by length, so that rows decoding together carry little left padding; a finished reply's row goes
-        # to the next prompt (continuous batching)
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        generators = [torch.Generator(self.target.device).manual_seed(requests[i].seed) for i in order]
-        settings = self.settings
-        out = decode_target_only(self.target.model, [prompts[i] for i in order], settings.max_new_tokens,
-                                 settings.temperature, self.stop, generators, compiled=settings.compiled,
-                                 batch_size=settings.batch_size)
-        found = dict(zip(order, out.generations, strict=True))
-        return [self._reply(found[i].tokens) for i in range(len(requests))]
+        for batch in batches_by_length(prompts, self.settings.batch_size):
+            generators = [torch.Generator(self.target.device).manual_seed(requests[i].seed) for i in batch]
+            settings = self.settings
+            out = decode_target_only(self.target.model, [prompts[i] for i in batch], settings.max_new_tokens,
+                                     settings.temperature, self.stop, generators, compiled=settings.compiled)
+            for i, generation in zip(batch, out.generations, strict=True):
+                found[i] = self._reply(generation.tokens)
+        return [found[i] for i in range(len(requests))]
 
     def _reply(self, tokens: list[int]) -> Reply:
         finished = bool(tokens) and tokens[-1] in self.stop
