@@ -39,8 +39,15 @@ def test_a_record_matches_its_hashes_and_the_recipe_that_made_it(provenance):
     recipe = next(word for word in words if word.startswith("params/"))
     written = yaml.safe_load((files.REPO_ROOT / recipe).read_text())
     overrides = [value for flag, value in zip(words, words[1:], strict=False) if flag in ("-p", "--param")]
-    for section, settings in override_dict(overrides).items():
-        written.setdefault(section, {}).update(settings)
+
+    def merge(into: dict, settings: dict) -> None:  # as `eagle3 run -p` overrides: key by key, nested too
+        for key, value in settings.items():
+            if isinstance(value, dict) and isinstance(into.get(key), dict):
+                merge(into[key], value)
+            else:
+                into[key] = value
+
+    merge(written, override_dict(overrides))
     names = [value for flag, value in zip(words, words[1:], strict=False) if flag == "--name"]
     if names:  # eagle3 run --name: the run's folder and name
         written["run"]["name"] = names[-1]
