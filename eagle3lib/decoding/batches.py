@@ -200,10 +200,8 @@ class TargetBatch:
         self._skips_padding = (model.device.type == "cpu"
                                and model.config._attn_implementation == "sdpa_shared_kv")
         self._runs: list[tuple[int, int, int]] | None = None  # of the current rows and columns; None: stale
-        if compiled and not direct.supports(model):
-            raise ValueError(f"{model.config.model_type}: only a Llama-like target's decoding is compiled "
-                             "(target.direct.supports)")
-        self._direct = direct.DirectDecoder(model, compiled) if direct.supports(model) else None
+        # compiled: a target the direct decoder cannot run is refused by it, not run through HF
+        self._direct = direct.DirectDecoder(model, compiled) if compiled or direct.supports(model) else None
 
     def _forward(
         self, input_ids: Tensor, allowed: Tensor, positions: Tensor, last_logits_only: bool = False,

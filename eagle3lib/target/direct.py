@@ -151,7 +151,8 @@ class DirectDecoder:
 
     def __init__(self, model: nn.Module, compiled: bool = False):
         if not supports(model):
-            raise ValueError(f"{model.config.model_type}: not a Llama-like decoder with full attention")
+            raise ValueError(f"{model.config.model_type}: not a Llama-like decoder with full attention, "
+                             "which direct (and compiled) decoding needs")
         self.decoder = model.get_decoder()
         self.compiled = None
         if compiled:
