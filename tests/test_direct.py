@@ -18,7 +18,6 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from eagle3lib.decoding import batches
 from eagle3lib.decoding.batches import TargetBatch
 from eagle3lib.decoding.speculate import decode_target_only
 from eagle3lib.target import direct
@@ -117,10 +116,10 @@ def test_only_llama_like_decoders_with_full_attention_are_run_directly():
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_compiled_decoding_gives_the_eager_tokens_and_states(family, monkeypatch):
     """The compiled graph over preallocated buffers (`DirectDecoder.into_buffers`, Inductor freezing the
-    weights) computes the eager decoder's states and aux states to float32 rounding, and greedy batches of 1,
-    3 and 8 prompts of different lengths, finishing at an end token mid-batch and so changing the batch's
-    shape, decode token for token as eagerly: every step compiled, or only those whose runs skip no padding
-    (the others eager, on the same buffers)."""
+    weights, each row attending from its own first column) computes the eager decoder's states and aux
+    states to float32 rounding, and greedy batches of 1, 3 and 8 prompts of different lengths, finishing at an
+    end token mid-batch and so changing the batch's shape, decode token for token as eagerly, every step
+    compiled."""
     model = tiny(family)
     model.set_attn_implementation("sdpa_shared_kv")  # as `Target.load` sets it: runs of rows skip padding
     pack_linears(model)
@@ -140,25 +139,19 @@ def test_compiled_decoding_gives_the_eager_tokens_and_states(family, monkeypatch
     assert compiled_steps == [(3, 2)]  # the prefill is eager, the tree's step compiled
     assert compiled.cache.layers[0].keys.shape == eager.cache.layers[0].keys.shape
 
+    rounds = []
+
     def greedy(compile_: bool) -> list[list[list[int]]]:
-        return [[g.tokens for g in decode_target_only(model, prompts[:n], 16, eos_token_id=[29, 37],
-                                                      compiled=compile_).generations] for n in (1, 3, 8)]
+        outputs = [decode_target_only(model, prompts[:n], 16, eos_token_id=[29, 37], compiled=compile_)
+                   for n in (1, 3, 8)]
+        rounds.append(sum(output.rounds for output in outputs))
+        return [[g.tokens for g in output.generations] for output in outputs]
 
     reference = greedy(False)
     assert any(len(tokens) < 16 for tokens in reference[-1])  # some finish mid-batch
     compiled_steps.clear()
     assert greedy(True) == reference
-    every_step = len(compiled_steps)
-    monkeypatch.setattr(batches, "RUN_COST_COLUMNS", 0)  # runs that skip all padding
-    monkeypatch.setattr(batches, "COMPILED_SAVES_COLUMNS", 0)  # and a step whose runs skip any: eager
-    compiled_steps.clear()
-    assert greedy(True) == reference
-    assert 0 < len(compiled_steps) < every_step
-
-
-def test_skipped_columns_count_the_left_padding_runs_skip():
-    assert batches._skipped_columns(None) == 0
-    assert batches._skipped_columns([(0, 3, 0), (3, 5, 40), (5, 6, 90)]) == 2 * 40 + 90
+    assert len(compiled_steps) == rounds[-1] == rounds[0]  # every decoding step compiled
 
 
 def test_only_a_direct_decoder_is_compiled():

@@ -83,18 +83,6 @@ def key_runs(first: list[int], width: int) -> list[tuple[int, int, int]]:
     return runs[::-1]
 
 
-# What a compiled decoding step (`target.direct`) saves against the eager one, in a layer's attention reading
-# one row's key column: it attends over every column, so where the runs skip more padding than this the eager
-# step is faster. Measured (bf16, 2-core Xeon, batches of 32 ShareGPT first turns, 36-373 tokens): 10 ms a
-# step saved, and each batch at the break-even when its runs skipped 6,000-8,300 of 10,000-12,000
-COMPILED_SAVES_COLUMNS = 8192
-
-
-def _skipped_columns(runs: list[tuple[int, int, int]] | None) -> int:
-    """Rows x columns of left padding that `runs` let attention skip."""
-    return sum((end - start) * first for start, end, first in runs or ())
-
-
 def _holes_dominate(valid: Tensor) -> bool:
     """Compact once more than half of the columns are holes (and there are enough to matter)."""
     return valid.shape[1] > 2 * int(valid.sum(1).max()) + 32
@@ -187,7 +175,7 @@ class TargetBatch:
     gives_choices = False  # verify gives logits (`RecordedTarget` gives the greedy choices)
 
     def __init__(self, model: PreTrainedModel, aux_layer_ids: list[int], compiled: bool = False):
-        self.model, self.aux_layer_ids = model, aux_layer_ids
+        self.model, self.aux_layer_ids, self.compiled = model, aux_layer_ids, compiled
         self._layers = model.get_decoder().layers
         self.cache = DynamicCache(config=model.config)
         if all(type(layer) is DynamicLayer for layer in self.cache.layers):  # sliding-window layers stay HF's
@@ -199,7 +187,8 @@ class TargetBatch:
         # its columns read, and only through the attention that takes them (`target.model`)
         self._skips_padding = (model.device.type == "cpu"
                                and model.config._attn_implementation == "sdpa_shared_kv")
-        self._runs: list[tuple[int, int, int]] | None = None  # of the current rows and columns; None: stale
+        self._first: Tensor | None = None  # [rows] the first column each reads (`_first_read_columns`)
+        self._runs: list[tuple[int, int, int]] | None = None  # of the current rows and columns
         # compiled: a target the direct decoder cannot run is refused by it, not run through HF
         self._direct = direct.DirectDecoder(model, compiled) if compiled or direct.supports(model) else None
 
@@ -222,27 +211,25 @@ class TargetBatch:
         if self._direct is None:
             out, kept = self._hf_forward(input_ids, mask, positions, cache, last_logits_only, states, runs)
             return out, torch.cat(kept, dim=-1) if kept else None
-        if (self._direct.compiled is not None and cache is self.cache
-                and _skipped_columns(runs) <= COMPILED_SAVES_COLUMNS):
-            out, kept = self._into_buffers(input_ids, mask, positions)
+        if self._direct.compiled is not None and cache is self.cache:
+            out, kept = self._into_buffers(input_ids, mask, positions, self._first.to(device))
         else:
             out, kept = self._direct(input_ids, mask, positions, cache, self.aux_layer_ids, runs)
         if not states:
             out = self.model.get_output_embeddings()(out[:, -1:] if last_logits_only else out)
         return out, torch.cat(kept, dim=-1) if kept else None
 
-    def _into_buffers(self, input_ids: Tensor, mask: Tensor, positions: Tensor
+    def _into_buffers(self, input_ids: Tensor, mask: Tensor, positions: Tensor, first: Tensor
                       ) -> tuple[Tensor, list[Tensor]]:
         """The compiled decoder's forward (`DirectDecoder.into_buffers`) into the cache's buffers, grown where
-        they have no room for the new columns: the steps whose runs would skip little padding (at most
-        `COMPILED_SAVES_COLUMNS`); the others run eagerly on the same buffers."""
+        they have no room for the new columns, row b's attention reading from column first[b] on."""
         layers, new = self.cache.layers, input_ids.shape[1]
         grown = [layer.grow((*layer.keys.shape[:2], new, layer.keys.shape[3]),
                             (*layer.values.shape[:2], new, layer.values.shape[3]), layer.keys)
                  for layer in layers]
         keys, values = [pair[0] for pair, _ in grown], [pair[1] for pair, _ in grown]
         filled = grown[0][1]
-        out, kept = self._direct.into_buffers(input_ids, mask, positions, keys, values, filled,
+        out, kept = self._direct.into_buffers(input_ids, mask, positions, keys, values, filled, first,
                                               self.aux_layer_ids)
         for layer in layers:
             layer.advance(filled + new)
@@ -289,7 +276,7 @@ class TargetBatch:
         key = (tuple(map(tuple, prompts)), tuple(self.aux_layer_ids))
         if reuse is not None and key in reuse.found:
             logits, aux, kv, self.valid, self._lengths, seconds = reuse.found[key]
-            self._runs = self._live = None
+            self._first = self._runs = self._live = None
             for i, (keys, values) in enumerate(kv):  # later rounds never write into these tensors in place
                 self.cache.update(keys, values, i)
             return logits, aux, seconds
@@ -365,7 +352,7 @@ class TargetBatch:
             logits = out[:, -1]
         self.valid = torch.arange(width)[None] >= starts[:, None]
         self._lengths = torch.tensor(lengths)
-        self._runs = self._live = None
+        self._first = self._runs = self._live = None
         sync(device)
         seconds = time.perf_counter() - start
         if reuse is not None:
@@ -407,8 +394,10 @@ class TargetBatch:
         depths = self._all_rows(depths, torch.zeros(1, nodes, dtype=depths.dtype))
         committed = self.valid[:, None, :].expand(len(tokens), nodes, self.valid.shape[1])
         allowed = torch.cat([committed, ancestors], dim=2)
-        if self._skips_padding and self._runs is None:  # stale after a compaction or a finished sequence
-            self._runs = key_runs(self._first_read_columns().tolist(), self.valid.shape[1])
+        if self._first is None:  # stale after a compaction or a finished sequence
+            self._first = self._first_read_columns()
+            if self._skips_padding and not self.compiled:  # the compiled steps read from `_first` on
+                self._runs = key_runs(self._first.tolist(), self.valid.shape[1])
         logits, aux = self._forward(tokens, allowed, self._lengths[:, None] + depths, runs=self._runs)
         if self._live is None:
             return logits, aux
@@ -428,7 +417,7 @@ class TargetBatch:
             layers = self.cache.layers
             tensors = [t for layer in layers for t in (layer.keys, layer.values)]
             self.valid, moved = compact_columns(self.valid, tensors)
-            self._runs = None
+            self._first = self._runs = None
             for layer, keys, values in zip(layers, moved[0::2], moved[1::2], strict=True):
                 layer.keys, layer.values = keys, values
 
@@ -437,11 +426,11 @@ class TargetBatch:
         once they are a quarter of it)."""
         live = rows if self._live is None else self._live[rows]
         if 4 * (len(self._lengths) - len(live)) < len(self._lengths):
-            self._live, self._runs = live, None
+            self._live, self._first, self._runs = live, None, None
             return
         self.cache.batch_select_indices(live.to(self.model.device))
         self.valid, self._lengths = self.valid[live], self._lengths[live]
-        self._runs = self._live = None
+        self._first = self._runs = self._live = None
 
 
 @dataclass

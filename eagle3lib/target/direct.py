@@ -12,9 +12,11 @@ weights and the cache, stay the bulk of a step (bench/RESULTS.md §10).
 Run eagerly, a step is still some 300 small kernels at several microseconds each: at batch 32 on the 2-core
 Xeon about a fifth of it. `DirectDecoder(compiled=True)` therefore also has the same layers as one graph for
 `torch.compile` (`into_buffers`): the cache as preallocated buffers written in place, the weights frozen into
-the graph so that Inductor packs the products itself and fuses everything between them. It attends over
-every cached column (no runs of rows skipping padding), compiles once a process (about a minute for
-SmolLM2-135M on 2 cores, again for a batch of one row), and reads the weights as they were when it compiled.
+the graph so that Inductor packs the products itself and fuses everything between them. On a CPU its
+attention is `decode_attention`, which reads each row's columns from its first valid one (no left padding)
+and each KV head once for the query heads that share it. It compiles once a process (about a minute for
+SmolLM2-135M on 2 cores, again for a batch of one row; the attention kernel is built once a machine), and
+reads the weights as they were when it compiled.
 
 Used where the architecture is Llama's (`supports`): Llama, Mistral, Qwen2 and Qwen3 with full attention in
 every layer and a SiLU MLP. Others (sliding windows, Gemma's norms, MLA) run through Hugging Face.
@@ -31,6 +33,7 @@ from torch import Tensor, nn
 from torch._inductor import config as inductor_config
 from transformers.cache_utils import Cache
 
+from eagle3lib.target.decode_attention import decode_attention
 from eagle3lib.target.model import PackedLinear, sdpa_shared_kv_attention
 
 DIRECT_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -120,22 +123,26 @@ def _layers(decoder: nn.Module, hidden: Tensor, cos: Tensor, signed_sin: Tensor,
 class _BufferedLayers(nn.Module):
     """`_layers` over a KV cache held as preallocated buffers, in one graph for `torch.compile`: the new keys
     and values written to columns [filled, filled + n) of each layer's buffers, attention over the first
-    filled + n columns with an additive mask [B, 1, n, filled + n] (every column read: the compiled graph
-    keeps no runs of rows)."""
+    filled + n columns with an additive mask [B, 1, n, filled + n], row b reading from column first[b] on
+    (`decode_attention`: a short prompt's left padding is not read)."""
 
     def __init__(self, decoder: nn.Module):
         super().__init__()
         self.decoder = decoder
 
     def forward(self, hidden: Tensor, cos: Tensor, signed_sin: Tensor, mask: Tensor, keys: list[Tensor],
-                values: list[Tensor], filled: int, aux_layer_ids: list[int]) -> tuple[Tensor, list[Tensor]]:
+                values: list[Tensor], filled: int, first: Tensor, aux_layer_ids: list[int]
+                ) -> tuple[Tensor, list[Tensor]]:
         end = filled + hidden.shape[1]
 
         def attend(i: int, attention: nn.Module, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
             keys[i][:, :, filled:end] = key
             values[i][:, :, filled:end] = value
-            out = F.scaled_dot_product_attention(query, keys[i][:, :, :end], values[i][:, :, :end],
-                                                 attn_mask=mask, scale=attention.scaling, enable_gqa=True)
+            key, value = keys[i][:, :, :end], values[i][:, :, :end]
+            if query.device.type == "cpu":
+                return decode_attention(query, key, value, mask, first, attention.scaling)
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=attention.scaling,
+                                                 enable_gqa=True)  # every column read, the padding masked
             return out.transpose(1, 2)
 
         return _layers(self.decoder, hidden, cos, signed_sin, attend, aux_layer_ids, fused=False)
@@ -177,12 +184,13 @@ class DirectDecoder:
 
     @torch.no_grad()
     def into_buffers(self, input_ids: Tensor, mask: Tensor, positions: Tensor, keys: list[Tensor],
-                     values: list[Tensor], filled: int, aux_layer_ids: list[int]
+                     values: list[Tensor], filled: int, first: Tensor, aux_layer_ids: list[int]
                      ) -> tuple[Tensor, list[Tensor]]:
         """`__call__` through the compiled graph, the cache as each layer's key and value buffers [B, Hkv,
-        columns, D] whose first `filled` columns are written and which have room for the n new ones."""
+        columns, D] whose first `filled` columns are written and which have room for the n new ones; row b's
+        attention reads from column first[b] on (int64 [B]; the columns before it are masked)."""
         hidden, cos, signed_sin = _embed(self.decoder, input_ids, positions)
         # freezing: the weights become the graph's constants, so that Inductor packs the products for oneDNN
         # and fuses the norms, rotations and residuals around them (as a compile option it is not applied)
         with inductor_config.patch(freezing=True):
-            return self.compiled(hidden, cos, signed_sin, mask, keys, values, filled, aux_layer_ids)
+            return self.compiled(hidden, cos, signed_sin, mask, keys, values, filled, first, aux_layer_ids)
