@@ -186,7 +186,7 @@ class RegenerateSection:
     )
     compiled: bool = setting(
         False, "builtin: decode through one compiled graph (a Llama-like target; about a minute to compile, "
-        "then 1.12x the eager steps at batch 32 on a 2-core Xeon)"
+        "then 1.3x the eager steps at batch 32 on a 2-core Xeon)"
     )
 
 

@@ -75,8 +75,8 @@ class RegenerationSettings:
     # the target's thinking mode: its chat template's switches, and where a reply's reasoning is kept
     chat_template_kwargs: dict = field(default_factory=dict)
     reasoning: str = "save"  # save: apart, in reasoning_content (as a parser gives it) | drop | inline
-    # builtin: the decoding steps through one compiled graph (a Llama-like target, `target.direct`): 1.12x
-    # the eager steps at batch 32 on the 2-core Xeon after about a minute's compilation (bench/RESULTS.md §10)
+    # builtin: the decoding steps through one compiled graph (a Llama-like target, `target.direct`): 1.3x the
+    # eager steps at batch 32 on the 2-core Xeon after about a minute's compilation (bench/RESULTS.md §10)
     compiled: bool = False
 
     def check(self) -> None:
