@@ -195,10 +195,12 @@ class TargetBatch:
     def _forward(
         self, input_ids: Tensor, allowed: Tensor, positions: Tensor, last_logits_only: bool = False,
         cache: DynamicCache | None = None, states: bool = False, runs: list | None = None,
+        spans: list | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Logits [B, n, Vt] (n = 1 with `last_logits_only`; with `states`, the final-normed states [B, n, Ht]
         instead) and aux states [B, n, A*Ht] (None without aux layers) of n new columns, written to `cache`
-        (the batch's own by default).
+        (the batch's own by default). `spans`: a prefill's prompts in each row (`DirectDecoder`), for a
+        direct decoder to attend within them only; others read the mask, which says the same.
 
         The aux states are the decoder layers' outputs taken with hooks, as `Target.capture` takes them for
         training data (HF's output_hidden_states puts the final-normed state where the last layer's output
@@ -214,7 +216,7 @@ class TargetBatch:
         if self._direct.compiled is not None and cache is self.cache:
             out, kept = self._into_buffers(input_ids, mask, positions, self._first.to(device))
         else:
-            out, kept = self._direct(input_ids, mask, positions, cache, self.aux_layer_ids, runs)
+            out, kept = self._direct(input_ids, mask, positions, cache, self.aux_layer_ids, runs, spans)
         if not states:
             out = self.model.get_output_embeddings()(out[:, -1:] if last_logits_only else out)
         return out, torch.cat(kept, dim=-1) if kept else None
@@ -294,9 +296,11 @@ class TargetBatch:
         # each prompt token's place in the packed rows (row, column) and in the cache (sequence, column)
         packed_row, packed_column, cache_row, cache_column = [], [], [], []
         ends = [0] * len(prompts)  # where each prompt's last token is in those lists
+        spans: list[list[tuple[int, int]]] = [[] for _ in rows]  # each row's prompts: (first column, tokens)
         for r, row in enumerate(rows):
             offset = 0 if pack else row_width - row[0][0]  # one prompt a row: left-padded, its end last
             for n, b, _ in row:
+                spans[r].append((offset, n))
                 span = slice(offset, offset + n)
                 input_ids[r, span], positions[r, span] = torch.tensor(prompts[b]), torch.arange(n)
                 allowed[r, span, span] = torch.ones(n, n, dtype=torch.bool).tril()
@@ -319,7 +323,7 @@ class TargetBatch:
             group = slice(first, first + step)
             packed = DynamicCache(config=self.model.config)
             out, packed_aux = self._forward(input_ids[group], allowed[group], positions[group], not pack,
-                                            cache=packed, states=pack)
+                                            cache=packed, states=pack, spans=spans[group])
             outs.append(out)
             auxes.append(packed_aux)
             if not cached:  # left padding zeroed: masked, but it must not be NaN (0 x NaN is NaN)
