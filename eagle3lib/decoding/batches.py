@@ -398,9 +398,9 @@ class TargetBatch:
         depths = self._all_rows(depths, torch.zeros(1, nodes, dtype=depths.dtype))
         committed = self.valid[:, None, :].expand(len(tokens), nodes, self.valid.shape[1])
         allowed = torch.cat([committed, ancestors], dim=2)
-        if self._first is None:  # stale after a compaction or a finished sequence
+        if self._first is None and (self.compiled or self._skips_padding):  # stale: compacted, or rows left
             self._first = self._first_read_columns()
-            if self._skips_padding and not self.compiled:  # the compiled steps read from `_first` on
+            if not self.compiled:  # compiled steps read each row from its first column, eager ones in runs
                 self._runs = key_runs(self._first.tolist(), self.valid.shape[1])
         logits, aux = self._forward(tokens, allowed, self._lengths[:, None] + depths, runs=self._runs)
         if self._live is None:

@@ -178,7 +178,10 @@ class DirectDecoder:
         `spans` (a prefill's packed rows, into an empty cache): each row's prompts as [(first column,
         tokens)], each attending causally within itself, the mask unread; a column in no span gets zeros.
         Attention is then computed prompt by prompt, not over whole rows (256 ShareGPT first turns in rows
-        of 373 tokens: most of a row's mask is other prompts)."""
+        of 373 tokens: most of a row's mask is other prompts; 6.2-7.4 -> 6.2-6.8 s on the 2-core Xeon)."""
+        if spans is not None and cache.get_seq_length():
+            raise ValueError(f"prompt spans index the new columns, but the cache holds "
+                             f"{cache.get_seq_length()} already")
         hidden, cos, signed_sin = _embed(self.decoder, input_ids, positions)
 
         def attend(i: int, attention: nn.Module, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
