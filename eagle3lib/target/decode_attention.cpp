@@ -96,26 +96,16 @@ float softmax(float* s, const T* bias, int64_t bias_stride, int64_t count) {
 }
 
 #ifdef __AVX512F__
-// The same two loops for a head dimension of 64 (a row of keys or values in four registers), four queries at
-// a time: their sums are reduced together, their weighted values kept in registers. The compiler's own
-// vectors of the loops above left a step's attention slower than SDPA's.
-constexpr int64_t BLOCK = 4;  // queries at a time; the callers round `rows` up to a multiple of it
+// The same two loops for a head dimension of 64 (a row of keys or values in four registers), the weighted
+// values of four queries at a time kept in registers. The compiler's own vectors of the loops above left a
+// step's attention slower than SDPA's.
+constexpr int64_t BLOCK = 4;  // queries `weigh64` takes at a time: the caller rounds `rows` up to a multiple
 
 inline __m512 load16(const float* source) { return _mm512_loadu_ps(source); }
 
 inline __m512 load16(const at::BFloat16* source) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(source));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-// the sums of the 16 lanes of each of a, b, c, d
-inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
-                                    _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
-  const __m512 halves = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, 0x4E));
-  return _mm512_castps512_ps128(_mm512_add_ps(halves, _mm512_shuffle_f32x4(halves, halves, 0xB1)));
 }
 
 // e^x to about one unit in the last place: 2^n e^r with n = round(x / ln 2), |r| <= ln(2) / 2, e^r by its
@@ -223,13 +213,13 @@ void attend(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& v
   const auto os = out.strides();
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
 #ifdef __AVX512F__
-    const bool wide = dim == 64;  // rows rounded up to whole blocks, the extra queries zero
+    const bool wide = dim == 64;  // rows rounded up to whole blocks: the extra ones weighed, never written
     const int64_t held = (rows + BLOCK - 1) / BLOCK * BLOCK;
 #else
     const bool wide = false;
     const int64_t held = rows;
 #endif
-    std::vector<float> queries(held * dim, 0.f), scores, sums(rows), weighed(held * dim), row(dim);
+    std::vector<float> queries(rows * dim), scores, sums(rows), weighed(held * dim), row(dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       const int64_t start = starts[b], count = columns - start;
