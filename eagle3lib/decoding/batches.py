@@ -175,7 +175,7 @@ class TargetBatch:
     gives_choices = False  # verify gives logits (`RecordedTarget` gives the greedy choices)
 
     def __init__(self, model: PreTrainedModel, aux_layer_ids: list[int], compiled: bool = False):
-        self.model, self.aux_layer_ids, self.compiled = model, aux_layer_ids, compiled
+        self.model, self.aux_layer_ids = model, aux_layer_ids
         self._layers = model.get_decoder().layers
         self.cache = DynamicCache(config=model.config)
         if all(type(layer) is DynamicLayer for layer in self.cache.layers):  # sliding-window layers stay HF's
@@ -191,6 +191,11 @@ class TargetBatch:
         self._runs: list[tuple[int, int, int]] | None = None  # of the current rows and columns
         # compiled: a target the direct decoder cannot run is refused by it, not run through HF
         self._direct = direct.DirectDecoder(model, compiled) if compiled or direct.supports(model) else None
+
+    @property
+    def _compiled(self) -> bool:
+        """The decoding steps run through the direct decoder's compiled graph."""
+        return self._direct is not None and self._direct.compiled is not None
 
     def _forward(
         self, input_ids: Tensor, allowed: Tensor, positions: Tensor, last_logits_only: bool = False,
@@ -213,7 +218,7 @@ class TargetBatch:
         if self._direct is None:
             out, kept = self._hf_forward(input_ids, mask, positions, cache, last_logits_only, states, runs)
             return out, torch.cat(kept, dim=-1) if kept else None
-        if self._direct.compiled is not None and cache is self.cache:
+        if self._compiled and cache is self.cache:
             out, kept = self._into_buffers(input_ids, mask, positions, self._first.to(device))
         else:
             out, kept = self._direct(input_ids, mask, positions, cache, self.aux_layer_ids, runs, spans)
@@ -398,9 +403,9 @@ class TargetBatch:
         depths = self._all_rows(depths, torch.zeros(1, nodes, dtype=depths.dtype))
         committed = self.valid[:, None, :].expand(len(tokens), nodes, self.valid.shape[1])
         allowed = torch.cat([committed, ancestors], dim=2)
-        if self._first is None and (self.compiled or self._skips_padding):  # stale: compacted, or rows left
+        if self._first is None and (self._compiled or self._skips_padding):  # stale: compacted, or rows left
             self._first = self._first_read_columns()
-            if not self.compiled:  # compiled steps read each row from its first column, eager ones in runs
+            if not self._compiled:  # compiled steps read each row from its first column, eager ones in runs
                 self._runs = key_runs(self._first.tolist(), self.valid.shape[1])
         logits, aux = self._forward(tokens, allowed, self._lengths[:, None] + depths, runs=self._runs)
         if self._live is None:
