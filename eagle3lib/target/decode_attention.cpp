@@ -101,13 +101,6 @@ float softmax(float* s, const T* bias, int64_t bias_stride, int64_t count) {
 // step's attention slower than SDPA's.
 constexpr int64_t BLOCK = 4;  // queries `weigh64` takes at a time: the caller rounds `rows` up to a multiple
 
-inline __m512 load16(const float* source) { return _mm512_loadu_ps(source); }
-
-inline __m512 load16(const at::BFloat16* source) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(source));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
 // e^x to about one unit in the last place: 2^n e^r with n = round(x / ln 2), |r| <= ln(2) / 2, e^r by its
 // Taylor polynomial of degree 7; exactly 0 below e^-87 (a masked column's weight), NaN for NaN
 inline __m512 exp16(__m512 x) {
@@ -123,21 +116,28 @@ inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mov_ps(kept, _mm512_scalef_ps(p, n));
 }
 
-inline __m512 load16(const float* source, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, source); }
+// 16 values (those of `lanes`, the others 0) as float32
+inline __m512 load16(const float* source, __mmask16 lanes = 0xFFFF) {
+  return _mm512_maskz_loadu_ps(lanes, source);
+}
 
-inline __m512 load16(const at::BFloat16* source, __mmask16 lanes) {
+inline __m512 load16(const at::BFloat16* source, __mmask16 lanes = 0xFFFF) {
   const __m256i bits = _mm256_maskz_loadu_epi16(lanes, source);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// the lanes of columns c .. c + 15 that are below `count`
+inline __mmask16 below(int64_t count, int64_t c) {
+  return count - c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - c)) - 1);
 }
 
 // `softmax` 16 columns at a time, for a mask contiguous along the columns
 template <typename T>
 float softmax16(float* s, const T* bias, int64_t count) {
-  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 tops = lowest;
+  __m512 tops = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t c = 0; c < count; c += 16) {
-    const __mmask16 lanes = count - c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - c)) - 1);
-    const __m512 sum = _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, s + c), load16(bias + c, lanes));
+    const __mmask16 lanes = below(count, c);
+    const __m512 sum = _mm512_add_ps(load16(s + c, lanes), load16(bias + c, lanes));
     _mm512_mask_storeu_ps(s + c, lanes, sum);
     tops = _mm512_mask_max_ps(tops, lanes, tops, sum);
   }
@@ -148,8 +148,8 @@ float softmax16(float* s, const T* bias, int64_t count) {
   }
   __m512 sums = _mm512_setzero_ps();
   for (int64_t c = 0; c < count; c += 16) {
-    const __mmask16 lanes = count - c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - c)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s + c), _mm512_set1_ps(top)));
+    const __mmask16 lanes = below(count, c);
+    const __m512 e = exp16(_mm512_sub_ps(load16(s + c, lanes), _mm512_set1_ps(top)));
     _mm512_mask_storeu_ps(s + c, lanes, e);
     sums = _mm512_mask_add_ps(sums, lanes, sums, e);
   }
