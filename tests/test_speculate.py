@@ -638,6 +638,48 @@ def test_rejection_sample_preserves_target_distribution():
         assert chi_square_p_value(counts, q) < 1e-12
 
 
+def test_sampled_rows_draw_from_each_rows_distribution_with_its_own_generator():
+    """`sample_rows`: the softmax at the temperature, row by row; a token of probability 0 never; each row's
+    token the same alone as inside any batch; a row with nothing to sample refused by its index."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -math.inf, 0.5, -math.inf])
+    probs = (logits / 0.7).softmax(-1)
+    rows = 6000
+    tokens = speculate.sample_rows(logits.expand(rows, -1), 0.7,
+                                   [torch.Generator().manual_seed(i) for i in range(rows)])
+    counts = torch.bincount(tokens, minlength=6).float()
+    assert counts[3] == counts[5] == 0
+    assert chi_square_p_value(counts, probs) > 1e-3, counts / rows
+    assert chi_square_p_value(counts, (logits / 1.4).softmax(-1)) < 1e-12  # it can tell temperatures apart
+    mixed = torch.randn(5, 50) * 3
+    together = speculate.sample_rows(mixed, 0.7, [torch.Generator().manual_seed(i) for i in range(5)])
+    alone = [int(speculate.sample_rows(mixed[i:i + 1], 0.7, [torch.Generator().manual_seed(i)]))
+             for i in range(5)]
+    assert together.tolist() == alone
+    one_hot = torch.full((3, 9), -math.inf)
+    one_hot[[0, 1, 2], [0, 4, 8]] = 0.0  # the first, a middle and the last token: each row's only one
+    assert speculate.sample_rows(one_hot, 1.0, [None] * 3).tolist() == [0, 4, 8]
+    assert torch.equal(speculate.sample_rows(mixed, 0.0, [None] * 5), mixed.argmax(-1))
+    with pytest.raises(ValueError, match=r"logits rows \[1\] have no finite softmax"):
+        speculate.sample_rows(torch.stack([logits, torch.full((6,), -math.inf)]), 0.7, [None, None])
+    with pytest.raises(ValueError, match="2 generators for 5 rows"):
+        speculate.sample_rows(mixed, 0.7, [None, None])
+
+
+def test_sampled_target_decoding_is_the_same_for_a_prompt_alone_and_in_a_batch():
+    model, _ = random_pair(vocab=64, draft_vocab=24)
+    prompts = [[1, 2, 3], [60, 7, 7, 41, 9, 0], [5]]
+
+    def seeded(indices):
+        return [torch.Generator().manual_seed(100 + i) for i in indices]
+
+    batch = speculate.decode_target_only(model, prompts, 30, 0.8, generators=seeded(range(3))).generations
+    for i, prompt in enumerate(prompts):
+        alone = speculate.decode_target_only(model, [prompt], 30, 0.8, generators=seeded([i])).generations[0]
+        assert alone.tokens == batch[i].tokens
+    greedy = speculate.decode_target_only(model, prompts, 30).generations
+    assert all(s.tokens != g.tokens for s, g in zip(batch, greedy, strict=True))  # it did sample
+
+
 @pytest.mark.parametrize("topk", [1, 2])
 def test_sampled_speculation_preserves_target_distribution(topk):
     """Token counts over a long sampled generation vs the sum of the target's exact next-token

@@ -143,13 +143,29 @@ class DraftTree:
         return mask
 
 
-def select_tokens(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
-    """Greedy (temperature 0) or sampled next token(s) from logits [..., V]."""
+def sample_rows(logits: Tensor, temperature: float, generators: list[torch.Generator | None]) -> Tensor:
+    """One token per row of logits [B, V], greedy (temperature 0) or sampled, row b with its own generator
+    (so a row's token does not depend on the batch around it): one uniform draw a row, then every row's
+    inverse CDF at once. A multinomial a row took about 40 % of a batch-256 decoding step on a CPU.
+
+    The CDF is a float32 cumulative sum, the precision of torch's own multinomial: a token whose probability
+    is below half a float32 step of the running sum (< 3e-8) is never drawn; one of probability 0 never is."""
     if temperature == 0:
         return fast_argmax(logits)
-    probs = torch.softmax(logits.float() / temperature, -1)
-    flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
-    return flat.reshape(probs.shape[:-1])
+    if len(generators) != logits.shape[0]:
+        raise ValueError(f"{len(generators)} generators for {logits.shape[0]} rows of logits: give one a row")
+    cdf = torch.softmax(logits.float() / temperature, -1).cumsum_(-1)
+    total = cdf[:, -1:]
+    if not torch.isfinite(total).all():
+        rows = (~torch.isfinite(total[:, 0])).nonzero()[:, 0].tolist()
+        raise ValueError(f"logits rows {rows} have no finite softmax at temperature {temperature}: "
+                         "nothing to sample")
+    draws = torch.cat([torch.rand(1, generator=g, device=logits.device if g is None else g.device)
+                       for g in generators]).to(cdf.device)[:, None]
+    # strictly below the total: the first column whose sum exceeds the draw then exists, and its token added
+    # to the sum, so it has a probability above 0
+    below = torch.minimum(draws * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, below, right=True)[:, 0]
 
 
 @dataclass
@@ -480,7 +496,7 @@ def decode_target_only(
     batch = TargetBatch(model, aux_layer_ids=aux_layer_ids, compiled=compiled)
     logits, aux, prefill = batch.prefill(prompts, reuse)
     start = time.perf_counter()
-    tokens = [[int(select_tokens(logits[b], temperature, generators[b]))] for b in range(len(prompts))]
+    tokens = [[token] for token in sample_rows(logits, temperature, generators).tolist()]
     states = [[aux[b, aux.shape[1] - len(p):]] for b, p in enumerate(prompts)] if record else None
     active, rounds = list(range(len(prompts))), 0
     one = torch.ones(1, 1, 1, dtype=torch.bool)
@@ -498,11 +514,8 @@ def decode_target_only(
         if states is not None:
             for i, seq in enumerate(active):
                 states[seq].append(aux[i])
-        if temperature == 0:  # one argmax and one device sync for the batch, not one a sequence (a GPU)
-            chosen = fast_argmax(logits[:, -1]).tolist()
-        else:
-            chosen = [int(select_tokens(logits[i, -1], temperature, generators[seq]))
-                      for i, seq in enumerate(active)]
+        # one device sync for the batch, not one a sequence (a GPU)
+        chosen = sample_rows(logits[:, -1], temperature, [generators[seq] for seq in active]).tolist()
         for i, seq in enumerate(active):
             tokens[seq].append(chosen[i])
         batch.commit(torch.ones(len(active), 1, dtype=torch.bool))
@@ -588,8 +601,7 @@ class SpeculativeDecoder:
         if target.gives_choices:
             roots = logits.tolist()
         else:
-            roots = [int(select_tokens(row, temperature, g))
-                     for row, g in zip(logits, generators, strict=True)]
+            roots = sample_rows(logits, temperature, generators).tolist()
         tokens = [[root] for root in roots]
         accepted: list[list[int]] = [[] for _ in prompts]
         # rows the drafter has not seen yet, per batch row: aux state of position t with token t+1, position
