@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -210,3 +215,31 @@ def test_fast_argmax_picks_the_first_maximum_as_argmax_does():
     coarse = torch.randint(0, 4, (64, 1000)).to(torch.bfloat16)  # ties everywhere
     for x in (logits, coarse, logits.float()):
         assert torch.equal(fast_argmax(x), x.argmax(-1))
+
+
+HUGE_PAGES_IN_USE = """
+import re, sys
+if sys.argv[1] == "eagle3lib":
+    import eagle3lib  # noqa: F401
+import torch
+x = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MB, every page touched
+print(sum(int(kb) for kb in re.findall(r"AnonHugePages:\\s+(\\d+)", open("/proc/self/smaps").read())))
+"""
+
+
+def test_importing_eagle3lib_gives_large_tensors_huge_pages():
+    """torch's CPU allocator frees every large tensor back to the kernel; each new one is faulted in page by
+    page unless it asks for transparent huge pages, which eagle3lib has it do (THP_MEM_ALLOC_ENABLE)."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("this kernel gives no transparent huge pages")
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+
+    def huge_kb(first: str) -> int:
+        run = subprocess.run([sys.executable, "-c", HUGE_PAGES_IN_USE, first], env=env, capture_output=True,
+                             text=True, check=True)
+        return int(run.stdout)
+
+    assert huge_kb("eagle3lib") >= 32 << 10
+    if "[madvise]" in mode.read_text():  # huge pages only where asked for: torch alone asks for none
+        assert huge_kb("torch") == 0
