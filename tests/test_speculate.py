@@ -29,7 +29,7 @@ from eagle3lib.decoding.speculate import DraftSettings, DraftTree, SpeculativeDe
 from eagle3lib.drafter.checkpoint import load_drafter, save_drafter
 from eagle3lib.drafter.config import DrafterConfig
 from eagle3lib.drafter.model import Eagle3Drafter
-from eagle3lib.target import zoo
+from eagle3lib.target import direct, zoo
 from eagle3lib.target.model import Target
 
 V = 32  # target vocab = hidden size (one-hot embeddings)
@@ -178,6 +178,32 @@ def test_batched_greedy_equals_target_and_single_sequence_runs(name):
     assert min(len(g.tokens) for g in early.generations) < 40
     for prompt, out in zip(PROMPTS, early.generations, strict=True):
         assert out.tokens == speculate.generate_target_only(model, prompt, 40, eos_token_id=eos).tokens
+
+
+def test_compiled_verification_reproduces_target_decoding(monkeypatch):
+    """Speculation whose verifications run through the compiled graph (`SpeculativeDecoder(compiled=True)`),
+    chains and trees, decodes every prompt of a batch to the target's own greedy output accepting what eager
+    verification accepts, sequences leaving at an end token mid-batch, every verification compiled."""
+    f, draft_ids = successor()
+    model = successor_target(f, noise=0.3)
+    drafter = successor_drafter(f, draft_ids)
+    compiled_steps = []
+    into_buffers = direct.DirectDecoder.into_buffers
+    monkeypatch.setattr(direct.DirectDecoder, "into_buffers",
+                        lambda self, ids, *a: compiled_steps.append(ids.shape) or into_buffers(self, ids, *a))
+    eos = speculate.generate_target_only(model, PROMPTS[2], 40).tokens[24]
+    for name in ("chain-3", "tree-4x3-8"):
+        eager = SpeculativeDecoder(model, drafter, SETTINGS[name]).generate_batch(PROMPTS, 40, eos)
+        assert compiled_steps == []
+        decoder = SpeculativeDecoder(model, drafter, SETTINGS[name], compiled=True)
+        ours = decoder.generate_batch(PROMPTS, 40, eos)
+        assert len(compiled_steps) == ours.rounds == eager.rounds
+        assert min(len(g.tokens) for g in ours.generations) < 40  # some left the batch early
+        for prompt, theirs, mine in zip(PROMPTS, eager.generations, ours.generations, strict=True):
+            alone = speculate.generate_target_only(model, prompt, 40, eos_token_id=eos)
+            assert mine.tokens == theirs.tokens == alone.tokens
+            assert mine.accepted == theirs.accepted
+        compiled_steps.clear()
 
 
 @pytest.mark.parametrize("name", ["chain-3", "tree-4x3-8"])

@@ -549,13 +549,15 @@ def generate_target_only(
 class SpeculativeDecoder:
     """A target (HF CausalLM) and an EAGLE-3 drafter decoding together; see the module docstring."""
 
-    def __init__(self, model: PreTrainedModel, drafter, settings: DraftSettings):
+    def __init__(self, model: PreTrainedModel, drafter, settings: DraftSettings, compiled: bool = False):
+        """`compiled`: the target's verifications through one compiled graph, as `decode_target_only`'s
+        steps (a Llama-like target; the first verification of a process compiles it)."""
         check_pair(model, drafter)
         # the engines embed draft inputs with the target's embedding, even when the checkpoint carries a copy
         drafter.attach_embedding(model.get_input_embeddings())
         self.model = model.eval()
         self.drafter = drafter.eval()
-        self.settings = settings
+        self.settings, self.compiled = settings, compiled
         num_layers = model.config.get_text_config().num_hidden_layers
         self.aux_layer_ids = aux_layer_ids_for(drafter.config, num_layers)
 
@@ -591,7 +593,7 @@ class SpeculativeDecoder:
         generators = _generators(generators, len(prompts))
         drafter_dtype = next(self.drafter.parameters()).dtype
         if recordings is None:
-            target = TargetBatch(self.model, self.aux_layer_ids)
+            target = TargetBatch(self.model, self.aux_layer_ids, compiled=self.compiled)
         else:
             target = RecordedTarget(recordings)
         drafter = DrafterBatch(self.drafter)
