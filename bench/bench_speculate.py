@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_speculate.py --drafter drafters/smollm2-135m-chat --corpus sharegpt
     .venv/bin/python bench/bench_speculate.py --steps 1,3 --batch-sizes 1,4,8,16 --prompts 16   # batching
     .venv/bin/python bench/bench_speculate.py --topk 4 --num-draft-tokens 8    # trees instead of chains
+    .venv/bin/python bench/bench_speculate.py --compiled --batch-sizes 1   # the target's compiled steps
 
 For each batch size (prompts decoded together; the target-only baseline decodes the same batches) and each
 draft depth K: τ, the acceptance at each draft position, tokens/s with and without the drafter on
@@ -45,6 +46,8 @@ def main() -> None:
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--compiled", action="store_true",
+                        help="verifications and the target's steps alone through the compiled graph")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -52,7 +55,9 @@ def main() -> None:
     target = Target.load(args.target, dtype=args.dtype, device="cpu")
     drafter_path = Path(args.drafter)
     prompts = engines.probe_prompts(target.tokenizer, args.corpus, args.prompts, 600, args.chat)
-    print(f"{target.name} ({target.dtype}, {args.threads} threads), drafter {drafter_path}")
+    steps = "compiled" if args.compiled else "eager"
+    print(f"{target.name} ({target.dtype}, {args.threads} threads, {steps} target steps), "
+          f"drafter {drafter_path}")
     lengths = [len(p) for p in prompts]
     print(f"{len(prompts)} held-out {args.corpus} prompts of {min(lengths)}-{max(lengths)} tokens, "
           f"{args.max_new_tokens} new tokens each, greedy {'chain' if args.topk == 1 else 'tree'} drafting "
@@ -70,7 +75,7 @@ def main() -> None:
         for steps in (int(k) for k in args.steps.split(",")):
             settings = speculate.DraftSettings(steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens)
             result = probe.probe(target.model, drafter, prompts, settings, args.max_new_tokens,
-                                     batch_size=batch, baseline=baseline, reuse=reuse)
+                                     batch_size=batch, baseline=baseline, reuse=reuse, compiled=args.compiled)
             m, baseline = result.metrics, result.baseline
             if batch == 1:
                 single[steps] = m["tokens_per_s"]

@@ -110,14 +110,15 @@ def decode_baseline(
     batch_size: int = 8,
     reuse: PrefillCache | None = None,
     record: tuple[list[int], int] | None = None,
+    compiled: bool = False,
 ) -> list[BatchOutput]:
     """The target alone on the prompts, in the batches `probe` uses: one baseline serves every drafter and
     depth compared on these prompts. `record`: also keep the recordings replays need (see
-    `decode_target_only`)."""
+    `decode_target_only`); `compiled`: its steps through the compiled graph."""
     return [
         decode_target_only(
             model, [prompts[i] for i in batch], max_new_tokens, temperature, eos_token_id,
-            _seeded(model, seed, batch), reuse, record,
+            _seeded(model, seed, batch), reuse, record, compiled,
         )
         for batch in batches_by_length(prompts, batch_size)
     ]
@@ -166,6 +167,7 @@ def probe(
     baseline: list[BatchOutput] | None = None,
     reuse: PrefillCache | None = None,
     replay: bool = False,
+    compiled: bool = False,
 ) -> ProbeResult:
     """Speculate on every prompt, `batch_size` prompts of similar length at a time, and compare with the
     target decoding the same batches alone (`baseline`, decoded here unless given); count as the engines
@@ -179,11 +181,14 @@ def probe(
     the target decodes each prompt once for every drafter and depth measured on it; the accepted drafts are
     those real verifications accept where the target's states agree (float32; in bf16 real runs leave the
     target's own output at near ties), and nothing is timed (no speed metrics).
+
+    `compiled`: the target's verifications and its steps alone both through the compiled graph (a Llama-like
+    target, `target.direct`; compiled in the warm-up, untimed), so speculation and the baseline share a core.
     """
     if not prompts:
         raise ValueError("probe needs at least one prompt")
     batches = batches_by_length(prompts, batch_size)
-    decoder = SpeculativeDecoder(model, drafter, settings)
+    decoder = SpeculativeDecoder(model, drafter, settings, compiled)
     if replay:
         if settings.temperature != 0:
             raise ValueError(f"replay needs greedy settings; temperature is {settings.temperature}")
@@ -203,7 +208,7 @@ def probe(
             first = [prompts[i][-16:] for i in batches[0]]  # short: a full prefill costs as much as a batch
             decoder.generate_batch(first, min(4, max_new_tokens))
             if compare_target and baseline is None:
-                decode_target_only(model, first, min(4, max_new_tokens))
+                decode_target_only(model, first, min(4, max_new_tokens), compiled=compiled)
         spec = [
             decoder.generate_batch([prompts[i] for i in batch], max_new_tokens, eos_token_id,
                                    _seeded(model, seed, batch), reuse)
@@ -211,7 +216,7 @@ def probe(
         ]
         if compare_target and baseline is None:
             baseline = decode_baseline(model, prompts, max_new_tokens, settings.temperature, eos_token_id,
-                                       seed, batch_size, reuse)
+                                       seed, batch_size, reuse, compiled=compiled)
     target = baseline if compare_target or replay else None
     spec_generations = _in_prompt_order(spec, batches)
     target_generations = _in_prompt_order(target, batches) if target else None
