@@ -3,12 +3,14 @@
     .venv/bin/python bench/bench_regenerate.py [--prompts 64] [--max-new-tokens 128] [--batch-sizes 8,32]
                                                [--dtypes bfloat16,float32]
                                                [--engines builtin,builtin-compiled,vllm] [--chunk N]
+                                               [--temperature T]
 
 The same prompts (the first user turns of ShareGPT's training split whose chat prompt fits
---max-prompt-tokens), greedy, each engine as `eagle3 regenerate` drives it: the built-in engine decodes
-`--batch-sizes` replies together (prompts of similar length), `builtin-compiled` through one compiled graph
-(`eagle3 regenerate --compiled`, its compilation timed apart); vLLM (its venv, `make vllm-setup`) gets the
-prompts `--batch-sizes` at a time and schedules them itself. `--chunk N` hands every engine N prompts a call
+--max-prompt-tokens), greedy (or sampled at `--temperature`, prompt i with seed i), each engine as `eagle3
+regenerate` drives it: the built-in engine decodes `--batch-sizes` replies together (prompts of similar
+length), `builtin-compiled` through one compiled graph (`eagle3 regenerate --compiled`, its compilation timed
+apart); vLLM (its venv, `make vllm-setup`) gets the prompts `--batch-sizes` at a time and schedules them
+itself. `--chunk N` hands every engine N prompts a call
 instead, as `eagle3 regenerate` does (its chunks are 4 x --batch-size conversations): the built-in engine
 then decodes them in batches of similar length, vLLM all N at once. Prints reply tokens/s per engine, dtype
 and batch, and the machine; vLLM's start-up (loading, warm-up) is timed apart.
@@ -36,7 +38,7 @@ def requests(renderer: ChatRenderer, count: int, max_prompt_tokens: int) -> list
         messages = [{"role": "user", "content": conversation.user_turns()[0]}]
         ids = renderer.prompt_ids(messages)
         if len(ids) <= max_prompt_tokens:
-            found.append(regenerate.Request(messages, ids, seed=0))
+            found.append(regenerate.Request(messages, ids, seed=len(found)))
         if len(found) == count:
             return found
     raise ValueError(f"ShareGPT has fewer than {count} first turns of at most {max_prompt_tokens} tokens")
@@ -58,6 +60,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--engines", default="builtin,builtin-compiled,vllm")
     parser.add_argument("--chunk", type=int, help="prompts an engine gets a call (default: the batch size)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     args = parser.parse_args()
     print(machine_description())
     sizes = [int(size) for size in args.batch_sizes.split(",")]
@@ -67,12 +70,14 @@ def main() -> None:
         batch = requests(renderer, args.prompts, args.max_prompt_tokens)
         prompt_tokens = sum(len(r.prompt_ids) for r in batch)
         print(f"{dtype}: {len(batch)} ShareGPT first turns ({prompt_tokens:,} prompt tokens), "
-              f"{args.max_new_tokens} new tokens at most, greedy")
+              f"{args.max_new_tokens} new tokens at most, "
+              f"{'greedy' if args.temperature == 0 else f'sampled at temperature {args.temperature}'}")
         for name in args.engines.split(","):
             for size in sizes:
                 settings = regenerate.RegenerationSettings(
                     engine=name.removesuffix("-compiled"), compiled=name.endswith("-compiled"),
-                    max_new_tokens=args.max_new_tokens, batch_size=size, dtype=dtype)
+                    max_new_tokens=args.max_new_tokens, batch_size=size, dtype=dtype,
+                    temperature=args.temperature)
                 started = time.perf_counter()
                 with tempfile.TemporaryDirectory() as work, \
                         regenerate.make_engine(settings, target, renderer, Path(work)) as engine:
