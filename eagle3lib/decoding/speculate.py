@@ -148,8 +148,8 @@ def sample_rows(logits: Tensor, temperature: float, generators: list[torch.Gener
     (so a row's token does not depend on the batch around it): one uniform draw a row, then every row's
     inverse CDF at once. A multinomial a row took about 40 % of a batch-256 decoding step on a CPU.
 
-    The CDF is a float32 cumulative sum, the precision of torch's own multinomial: a token whose probability
-    is below half a float32 step of the running sum (< 3e-8) is never drawn; one of probability 0 never is."""
+    The CDF is a float32 cumulative sum: a token whose probability is below half a float32 step of the sum
+    before it (< 3e-8 once the sum passes 0.5) is never drawn, nor is one of probability 0."""
     if temperature == 0:
         return fast_argmax(logits)
     if len(generators) != logits.shape[0]:
