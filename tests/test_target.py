@@ -54,22 +54,41 @@ def hf_forward(target: Target, input_ids, attention_mask):
         return target.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
 
 
+def real(tensor: torch.Tensor, batch) -> torch.Tensor:
+    """The real positions of a [B, T, ...] tensor (a capture's padded ones hold garbage)."""
+    return tensor[batch[1]]
+
+
 @pytest.mark.parametrize("ids", [[1, 3, 4], [0, 6], [5, 2]])
 def test_aux_states_are_hf_hidden_states_at_id_plus_one(target, batch, ids):
     captured = target.capture(*batch, aux_layer_ids=ids)
     reference = hf_forward(target, *batch)
     expected = torch.cat([reference.hidden_states[i + 1] for i in ids], dim=-1)
     assert captured.aux_hidden_states.shape == (3, 11, len(ids) * 32)
-    assert torch.equal(captured.aux_hidden_states, expected)
+    assert torch.equal(real(captured.aux_hidden_states, batch), real(expected, batch))
 
 
 def test_last_hidden_state_is_after_the_final_norm_and_argmax_is_over_the_full_vocab(target, batch):
     captured = target.capture(*batch, return_logits=True)
     reference = hf_forward(target, *batch)
-    assert torch.equal(captured.last_hidden_state, reference.hidden_states[-1])
-    assert torch.equal(captured.logits, reference.logits)
-    assert torch.equal(captured.target_argmax, reference.logits.argmax(-1))
+    assert torch.equal(real(captured.last_hidden_state, batch), real(reference.hidden_states[-1], batch))
+    assert torch.equal(real(captured.logits, batch), real(reference.logits, batch))
+    assert torch.equal(captured.target_argmax, captured.logits.argmax(-1))
     assert torch.equal(target.capture(*batch).target_argmax, captured.target_argmax)  # chunked path
+
+
+def test_a_capture_takes_right_padding_only(target, batch):
+    """A right-padded row's real positions are what the sequence alone gives; a mask that is not right
+    padding (left padding, holes) is refused, as causal attention without the mask would read its gaps."""
+    input_ids, attention_mask = batch
+    alone = target.capture(input_ids[1:2, :7], aux_layer_ids=[2])
+    padded = target.capture(input_ids, attention_mask, aux_layer_ids=[2])
+    # products over 7 and 11 positions block their sums differently: float rounding only
+    torch.testing.assert_close(padded.aux_hidden_states[1, :7], alone.aux_hidden_states[0], rtol=1e-6,
+                               atol=1e-6)
+    for bad in (attention_mask.flip(1), torch.ones(3, 11).index_fill_(1, torch.tensor([4]), 0)):
+        with pytest.raises(TargetError, match=r"right padding only: attention_mask \(3, 11\)"):
+            target.capture(input_ids, bad)
 
 
 def test_last_layer_id_is_the_state_before_the_final_norm(target, batch):
