@@ -175,16 +175,24 @@ def test_a_cost_comparison_charges_regenerated_data_what_making_it_took(tmp_path
         manifest = {"counts": {"seconds": seconds, "template_tokens": tokens}}
         (regenerated / f"{name}.manifest.json").write_text(json.dumps(manifest))
     records = {}
-    for label, corpus in (("regenerated", str(regenerated)), ("original", "stdlib-code")):
+    arms = [("regenerated", str(regenerated), "a test CPU"), ("original", "stdlib-code", "a test CPU"),
+            ("elsewhere", "stdlib-code", "another CPU")]  # the last: its core-hours are not theirs
+    for label, corpus, cpu in arms:
         run = tmp_path / label
         shutil.copytree(out, run / "04_finetune")
         recipe = curve_recipe()
         recipe["data"]["corpus"] = corpus
         (run / "params.yaml").write_text(yaml.safe_dump(recipe))
         provenance = {"notebooks": ["04_finetune"], "git commit": "abc1234",
-                      "machine": "a test CPU, 3 threads"}
+                      "machine": f"{cpu}, 3 threads"}
         (run / "metrics.json").write_text(json.dumps({"provenance": [provenance]}))
         records[label] = publish.publish_curves(run, tmp_path / "records" / label, command="eagle3 run test")
+    elsewhere = records.pop("elsewhere")
+    with pytest.raises(publish.PublishError, match=r"not comparable: .*regenerated .* trained on a test CPU; "
+                                                   r".*elsewhere .* trained on another CPU"):
+        publish.publish_cost_comparison(records | {"elsewhere": elsewhere}, tmp_path / "records" / "mixed",
+                                        command="test", regeneration_cores=2)
+    assert not (tmp_path / "records" / "mixed").exists()
     folder = publish.publish_cost_comparison(records, tmp_path / "records" / "costs", command="test",
                                              regeneration_cores=2)
     publish.check_published(folder)
