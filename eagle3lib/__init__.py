@@ -8,8 +8,8 @@ import os
 # any torch work.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 # torch's CPU allocator caches nothing: a batch's KV cache and a step's activations are fresh pages, each one
-# faulted in on first touch (a third of a batch-256 prefill). With this, allocations of 2 MB or more ask for
-# transparent huge pages (where the kernel's THP mode is `madvise` or `always`; elsewhere it changes nothing):
-# 78 MB allocated and filled in 10 ms against 31-52 (bench/RESULTS.md §10). Read at torch's first such
-# allocation, so it is set before any torch work.
+# faulted in on first touch (a third of a multi-turn regeneration's prefill). With this, allocations of 2 MB
+# or more ask for transparent huge pages (where the kernel's THP mode is `madvise` or `always`; elsewhere it
+# changes nothing): 78 MB allocated and filled in 10 ms against 31-52, batch-256 regeneration +5-10 %
+# (bench/RESULTS.md §10). Read at torch's first such allocation, so it is set before any torch work.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
