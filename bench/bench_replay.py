@@ -19,7 +19,6 @@ import torch
 
 from eagle3lib.decoding import engines, probe
 from eagle3lib.decoding.speculate import DraftSettings
-from eagle3lib.drafter.checkpoint import load_drafter
 from eagle3lib.reports import publish
 from eagle3lib.target.model import Target
 
@@ -40,7 +39,7 @@ def main() -> None:
 
     target = Target.load(args.target, dtype=args.dtype, device="cpu")
     prompts = engines.probe_prompts(target.tokenizer, args.corpus, args.prompts, 600, True)
-    drafter, _ = load_drafter(args.drafter, dtype=target.dtype)
+    drafter, _ = engines.decoding_drafter(args.drafter, target)
     eos = target.tokenizer.eos_token_id
     print(f"{target.name} ({target.dtype}, {args.threads} threads), drafter {args.drafter} x "
           f"{args.drafters}, {len(prompts)} {args.corpus} prompts x {args.max_new_tokens}, batch "

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from eagle3lib.decoding import batches, engines, probe, speculate
-from eagle3lib.drafter.checkpoint import load_drafter
 from eagle3lib.reports import publish
 from eagle3lib.target.model import Target
 
@@ -67,7 +66,7 @@ def main() -> None:
               f"{'target ms':>9} {'same':>5} {'vs batch 1':>10}")
     print(header)
     print("-" * len(header))
-    drafter, _ = load_drafter(drafter_path, dtype=target.dtype)
+    drafter, _ = engines.decoding_drafter(drafter_path, target)
     single: dict[int, float] = {}
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         reuse = batches.PrefillCache()  # every K of this batching shares its prefill and its baseline

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 from eagle3lib.decoding import engines, probe, speculate
-from eagle3lib.drafter.checkpoint import load_drafter
 from eagle3lib.reports import publish
 from eagle3lib.target.model import Target
 
@@ -58,7 +57,7 @@ def main() -> int:
           f"{args.max_new_tokens} tokens each, greedy chain K={args.steps}", flush=True)
 
     start = time.perf_counter()
-    model, report = load_drafter(drafter, dtype=target.dtype)
+    model, report = engines.decoding_drafter(drafter, target)
     builtin = probe.probe(
         target.model, model, prompts, settings, args.max_new_tokens, compare_target=False
     )

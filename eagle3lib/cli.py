@@ -405,17 +405,24 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _target_decoding_arguments(p: argparse.ArgumentParser) -> None:
+    """How the built-in engine decodes: probe, curve and table share these."""
+    p.add_argument("--max-new-tokens", type=whole(1), default=128)
+    p.add_argument("--batch-size", type=whole(1), default=16)
+    p.add_argument("--dtype", default="float32", help="the target's dtype (float32: greedy output exact)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--compiled", action="store_true", help="the target's steps through one compiled graph (a "
+                   "Llama-like target; about a minute to compile on 2 cores, once more for batch 1)")
+
+
 def _probe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("drafters", nargs="+", help="drafter checkpoint folders (SGLang or speculators layout)")
     p.add_argument("--target", required=True, help="a local Hugging Face folder or zoo:<name>")
     p.add_argument("--corpus", required=True, help="the prompts, as probe.corpus: sharegpt, humaneval, "
                    "stdlib-code, pydoc-prose, a conversation file or a prompt file")
     p.add_argument("--num-prompts", type=whole(0), default=32, help="0: all of a prompt file or of humaneval")
-    p.add_argument("--max-new-tokens", type=whole(1), default=128)
     p.add_argument("--steps", type=whole(1), default=3, help="chain draft depth K")
-    p.add_argument("--batch-size", type=whole(1), default=16)
-    p.add_argument("--dtype", default="float32", help="the target's dtype (float32: greedy output exact)")
-    p.add_argument("--device", default="auto")
+    _target_decoding_arguments(p)
     p.add_argument("--json", action="store_true", help="one JSON object per drafter")
 
 
@@ -429,13 +436,13 @@ def _probe(args: argparse.Namespace) -> int:
     from eagle3lib.decoding.speculate import DraftSettings
 
     target, tokenizer = engines.open_target(args.target, "builtin", args.dtype, args.device)
-    reply = engines.target_replies(target, args.max_new_tokens, args.batch_size)
+    reply = engines.target_replies(target, args.max_new_tokens, args.batch_size, args.compiled)
     prompts = engines.probe_prompts(tokenizer, args.corpus, args.num_prompts, 600, True, reply)
     reuse, baseline = PrefillCache(), None
     for drafter in args.drafters:
         result = engines.probe("builtin", target, drafter, prompts, DraftSettings(steps=args.steps),
                                args.max_new_tokens, batch_size=args.batch_size, baseline=baseline,
-                               reuse=reuse)
+                               reuse=reuse, compiled=args.compiled)
         baseline, m = result.baseline, result.metrics
         if args.json:
             keys = ("tau", "tau_low", "tau_high", "tau_interval_unit", "acceptance_per_position", "speedup",
@@ -455,11 +462,8 @@ def _curve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--benchmark", action="append", required=True, metavar="CORPUS:N[:TURNS]",
                    help="prompts to measure on, e.g. sharegpt:32, humaneval:32 or sharegpt:32:2 (the first "
                    "two user turns, MT-Bench style; repeatable)")
-    p.add_argument("--max-new-tokens", type=whole(1), default=128)
     p.add_argument("--steps", type=whole(1), default=3, help="chain draft depth K")
-    p.add_argument("--batch-size", type=whole(1), default=16)
-    p.add_argument("--dtype", default="float32", help="the target's dtype (float32: greedy output exact)")
-    p.add_argument("--device", default="auto")
+    _target_decoding_arguments(p)
 
 
 @command("curve", "τ of a trained arm's checkpoints against the tokens it trained on (learning_curve.json)",
@@ -476,7 +480,8 @@ def _curve(args: argparse.Namespace) -> int:
     target, tokenizer = engines.open_target(args.target, "builtin", args.dtype, args.device)
     curve = curves.learning_curve(Path(args.arm_folder), target, tokenizer, benchmarks,
                                   DraftSettings(steps=args.steps), args.max_new_tokens, args.batch_size,
-                                  log=lambda line: print(f"eagle3 curve: {line}", flush=True))
+                                  log=lambda line: print(f"eagle3 curve: {line}", flush=True),
+                                  compiled=args.compiled)
     plots.learning_curve(curve, Path(args.arm_folder) / "learning_curve.png")
     print(f"eagle3 curve: {Path(args.arm_folder) / curves.LEARNING_CURVE}")
     return 0
@@ -490,10 +495,7 @@ def _table_arguments(p: argparse.ArgumentParser) -> None:
                    "conversations' first two user turns, each on the target's own reply: MT-Bench style)")
     p.add_argument("--setting", action="append", required=True, metavar="STEPS/TOPK/DRAFT_TOKENS",
                    help="SGLang's terms: 3/1/4 and 7/1/8 are chains of 3 and 7, 5/4/16 a tree (repeatable)")
-    p.add_argument("--max-new-tokens", type=whole(1), default=128)
-    p.add_argument("--batch-size", type=whole(1), default=16)
-    p.add_argument("--dtype", default="float32", help="the target's dtype (float32: greedy output exact)")
-    p.add_argument("--device", default="auto")
+    _target_decoding_arguments(p)
     p.add_argument("--chat-template-kwargs", type=template_switches, default={}, metavar="JSON",
                    help="the thinking mode the prompts are rendered in")
     p.add_argument("-o", "--output", help="also write the table with its settings and machine as JSON")
@@ -520,7 +522,8 @@ def _table(args: argparse.Namespace) -> int:
     target, tokenizer = engines.open_target(args.target, "builtin", args.dtype, args.device)
     rows = evaluate.tau_table(target, tokenizer, Path(args.drafter), benchmarks, grid, args.max_new_tokens,
                               args.batch_size, args.chat_template_kwargs,
-                              log=lambda line: print(f"eagle3 table: {line}", flush=True))
+                              log=lambda line: print(f"eagle3 table: {line}", flush=True),
+                              compiled=args.compiled)
     machine = machine_description()
     print(f"\n{evaluate.tau_table_markdown(rows)}\n\n{args.drafter} on {args.target} ({target.dtype}), "
           f"{args.max_new_tokens} new tokens, batch {args.batch_size}, greedy; {machine}")
@@ -529,7 +532,7 @@ def _table(args: argparse.Namespace) -> int:
         record = {
             "drafter": args.drafter, "weights_sha256": file_sha256(weights) if weights.exists() else None,
             "target": args.target, "dtype": str(target.dtype).removeprefix("torch."),
-            "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+            "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "compiled": args.compiled,
             "chat_template_kwargs": args.chat_template_kwargs, "machine": machine,
             "command": "eagle3 " + " ".join(sys.argv[1:]), "commit": git_commit(),
             "seconds": time.perf_counter() - start, "rows": rows,

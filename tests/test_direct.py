@@ -22,6 +22,7 @@ from eagle3lib.decoding.batches import TargetBatch
 from eagle3lib.decoding.speculate import decode_target_only
 from eagle3lib.target import direct
 from eagle3lib.target.model import pack_linears
+from tests.tiny import count_compiled_steps
 
 SHAPE = {"vocab_size": 97, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 128}
@@ -123,10 +124,7 @@ def test_compiled_decoding_gives_the_eager_tokens_and_states(family, monkeypatch
     model = tiny(family)
     model.set_attn_implementation("sdpa_shared_kv")  # as `Target.load` sets it: runs of rows skip padding
     pack_linears(model)
-    compiled_steps = []
-    into_buffers = direct.DirectDecoder.into_buffers
-    monkeypatch.setattr(direct.DirectDecoder, "into_buffers",
-                        lambda self, ids, *a: compiled_steps.append(ids.shape) or into_buffers(self, ids, *a))
+    compiled_steps = count_compiled_steps(monkeypatch)
     eager, compiled = TargetBatch(model, AUX), TargetBatch(model, AUX, compiled=True)
     assert compiled._direct.compiled is not None and eager._direct.compiled is None
     prompts = [[5, 9, 2], [7] * 6, [1], [3, 4], [8] * 11, [2, 2, 9, 1], [6], [40, 41, 42, 43, 44]]

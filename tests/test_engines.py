@@ -170,3 +170,43 @@ def test_markdown_table_shows_what_each_backend_measured():
     assert lines[0].startswith("| drafter | τ [95 % interval] | accept by position | tok/s")
     assert lines[2].startswith("| builtin | 2.50 [2.25, 2.75] | 0.80 / 0.50 | 10.0 | – | 1.70× |")
     assert lines[3].startswith("| sglang | 3.00 | – | 50.0 |")
+
+
+def test_compiled_steps_reach_every_builtin_probe(monkeypatch, capsys, tmp_path):
+    """`probe.compiled` runs 05's target steps through the compiled graph: the target's replies to earlier
+    turns, the replayed benchmark's recorded baseline and the batch-1 sweep's verifications; `eagle3 probe
+    --compiled` its verifications. In float32 τ and every output are the eager engine's. An engine that is not
+    built in refuses it by its key."""
+    from eagle3lib import cli
+    from eagle3lib.params import load_params
+    from tests.tiny import count_compiled_steps
+
+    params = load_params("params/smoke.yaml", [
+        "evaluate.benchmarks=[{name: mt, corpus: sharegpt, num_prompts: 1, turns: 2}]",
+        "evaluate.sweep_steps=[3]", "evaluate.sweep_tree={steps: 0}", "probe.max_new_tokens=12",
+    ])
+    drafters = engines.drafter_entries(params["evaluate"]["drafters"][:1])
+    target, tokenizer = engines.open_target("zoo:tiny-llama", "builtin", "float32", "cpu")
+    eager = evaluate.evaluate_drafters(params, drafters, target, tokenizer, tmp_path, log=lambda line: None)
+    steps = count_compiled_steps(monkeypatch)
+    assert not steps
+    params["probe"]["compiled"] = True
+    ours = evaluate.evaluate_drafters(params, drafters, target, tokenizer, tmp_path, log=lambda line: None)
+    assert ours.outputs == eager.outputs and ours.metrics["mt"] == eager.metrics["mt"]
+    assert [m["tau"] for m in ours.sweeps["fixture A (SGLang layout)"].values()] == [
+        m["tau"] for m in eager.sweeps["fixture A (SGLang layout)"].values()]
+    assert {columns for _, columns in steps} == {1, 4}  # one-token steps, the sweep's verifications of K 3
+
+    del steps[:]
+    monkeypatch.setattr(engines, "open_target", lambda *args: (target, tokenizer))  # compiled once a model
+    probe = ["probe", str(next(iter(drafters.values()))), "--target", "zoo:tiny-llama", "--corpus",
+             "stdlib-code", "--num-prompts", "2", "--max-new-tokens", "10", "--batch-size", "1", "--json"]
+    assert cli.main(probe) == 0 and not steps
+    assert cli.main([*probe, "--compiled"]) == 0 and steps
+    eager_line, compiled_line = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert eager_line.pop("speedup") > 0 and compiled_line.pop("speedup") > 0  # timed: not comparable
+    assert compiled_line == eager_line and compiled_line["matches_target"] == 1.0
+
+    params["probe"]["backend"] = "vllm"
+    with pytest.raises(ValueError, match="probe.compiled is the builtin engine's"):
+        engines.check_probe_settings(params, drafter=False)

@@ -29,8 +29,9 @@ from eagle3lib.decoding.speculate import DraftSettings, DraftTree, SpeculativeDe
 from eagle3lib.drafter.checkpoint import load_drafter, save_drafter
 from eagle3lib.drafter.config import DrafterConfig
 from eagle3lib.drafter.model import Eagle3Drafter
-from eagle3lib.target import direct, zoo
+from eagle3lib.target import zoo
 from eagle3lib.target.model import Target
+from tests.tiny import count_compiled_steps
 
 V = 32  # target vocab = hidden size (one-hot embeddings)
 AUX = [0, 1, 3]
@@ -187,10 +188,7 @@ def test_compiled_verification_reproduces_target_decoding(monkeypatch):
     f, draft_ids = successor()
     model = successor_target(f, noise=0.3)
     drafter = successor_drafter(f, draft_ids)
-    compiled_steps = []
-    into_buffers = direct.DirectDecoder.into_buffers
-    monkeypatch.setattr(direct.DirectDecoder, "into_buffers",
-                        lambda self, ids, *a: compiled_steps.append(ids.shape) or into_buffers(self, ids, *a))
+    compiled_steps = count_compiled_steps(monkeypatch)
     eos = speculate.generate_target_only(model, PROMPTS[2], 40).tokens[24]
     for name in ("chain-3", "tree-4x3-8"):
         eager = SpeculativeDecoder(model, drafter, SETTINGS[name]).generate_batch(PROMPTS, 40, eos)

@@ -42,12 +42,12 @@ class Validation:
 
     def __init__(self, target, benchmarks: list[Benchmark], num_prompts: int, max_new_tokens: int,
                  settings: DraftSettings, batch_size: int, seed: int = 0, prompt_chars: int = 600,
-                 template_kwargs: dict | None = None):
+                 template_kwargs: dict | None = None, compiled: bool = False):
         from eagle3lib.decoding import batches, engines
 
         self.target, self.settings, self.max_new_tokens = target, settings, max_new_tokens
-        self.batch_size, self.seed = batch_size, seed
-        reply = engines.target_replies(target, max_new_tokens, batch_size)
+        self.batch_size, self.seed, self.compiled = batch_size, seed, compiled
+        reply = engines.target_replies(target, max_new_tokens, batch_size, compiled)
         self.prompts = {
             b.name: engines.probe_prompts(target.tokenizer, b.corpus, num_prompts, prompt_chars, True, reply,
                                           draw="validation", template_kwargs=template_kwargs, turns=b.turns)
@@ -72,7 +72,7 @@ class Validation:
             result = engines.probe("builtin", self.target, drafter, prompts, self.settings,
                                    self.max_new_tokens, seed=self.seed, batch_size=self.batch_size,
                                    baseline=self._baseline[name], reuse=self._reuse[name],
-                                   replay=self.settings.temperature == 0)
+                                   replay=self.settings.temperature == 0, compiled=self.compiled)
             self._baseline[name] = result.baseline
             m = result.metrics
             found[name] = {key: m[key] for key in ("tau", "tau_low", "tau_high", "accepted_per_prompt")}
@@ -205,10 +205,11 @@ def learning_curve(
     max_new_tokens: int,
     batch_size: int,
     log: Callable[[str], None] = print,
+    compiled: bool = False,
 ) -> dict:
     """τ of every checkpoint a trained arm kept and of its final drafter, per benchmark, against the tokens in
     the loss it had trained on by then (the `rows` of its metrics.jsonl): what more training data buys.
-    Written to `<arm>/learning_curve.json`."""
+    Written to `<arm>/learning_curve.json`. `compiled`: the target's steps through the compiled graph."""
     from eagle3lib import files
     from eagle3lib.decoding import batches, engines
 
@@ -219,7 +220,7 @@ def learning_curve(
     points = [(int(p.name.removeprefix("step_")), p / "drafter") for p in checkpoints]
     if not points or points[-1][0] != final_step:
         points.append((final_step, arm_folder / "drafter"))
-    reply = engines.target_replies(target, max_new_tokens, batch_size)
+    reply = engines.target_replies(target, max_new_tokens, batch_size, compiled)
     found = {}
     for benchmark in benchmarks:
         prompts = engines.probe_prompts(tokenizer, benchmark.corpus, benchmark.num_prompts, 600, True, reply,
@@ -228,7 +229,7 @@ def learning_curve(
         for step, drafter in points:
             result = engines.probe("builtin", target, drafter, prompts, settings, max_new_tokens,
                                    batch_size=batch_size, baseline=baseline, reuse=reuse,
-                                   replay=settings.temperature == 0)
+                                   replay=settings.temperature == 0, compiled=compiled)
             baseline, m = result.baseline, result.metrics
             loss_tokens = sum(entry["rows"] for entry in logged if entry["step"] <= step)
             rows.append({"step": step, "loss_tokens": loss_tokens, "tau": m["tau"], "tau_low": m["tau_low"],

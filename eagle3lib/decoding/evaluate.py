@@ -204,18 +204,19 @@ def setting_label(settings: DraftSettings) -> str:
 
 def tau_table(target, tokenizer, drafter: Path, benchmarks: list[Benchmark], grid: list[DraftSettings],
               max_new_tokens: int, batch_size: int, template_kwargs: dict | None = None,
-              log: Callable[[str], None] = print) -> list[dict]:
+              log: Callable[[str], None] = print, compiled: bool = False) -> list[dict]:
     """τ of one drafter on every benchmark at every setting (built-in engine), each with its 95 % interval,
     the acceptance at each draft position and the setting in SGLang's and vLLM's terms; the target decodes
     each benchmark's prompts alone once (the speedup beside τ, at `batch_size`), and the share of its tokens
-    inside the drafter's draft vocabulary is the coverage (a token outside it is never accepted)."""
+    inside the drafter's draft vocabulary is the coverage (a token outside it is never accepted). `compiled`:
+    the target's steps through the compiled graph."""
     import torch
 
     from eagle3lib.decoding import batches, engines
     from eagle3lib.drafter.vocab import VocabMap
 
     vocab_map = VocabMap.load(drafter)
-    reply = engines.target_replies(target, max_new_tokens, batch_size)
+    reply = engines.target_replies(target, max_new_tokens, batch_size, compiled)
     rows = []
     for benchmark in benchmarks:
         prompts = engines.probe_prompts(tokenizer, benchmark.corpus, benchmark.num_prompts, 600, True, reply,
@@ -224,7 +225,7 @@ def tau_table(target, tokenizer, drafter: Path, benchmarks: list[Benchmark], gri
         for settings in grid:
             start = time.perf_counter()
             result = engines.probe("builtin", target, drafter, prompts, settings, max_new_tokens,
-                                   batch_size=batch_size, baseline=baseline, reuse=reuse)
+                                   batch_size=batch_size, baseline=baseline, reuse=reuse, compiled=compiled)
             baseline, m = result.baseline, result.metrics
             replies = torch.tensor([t for tokens in result.target_outputs for t in tokens], dtype=torch.long)
             rows.append({
@@ -469,7 +470,7 @@ def evaluate_drafters(
     replay = builtin and e["replay"] and settings.temperature == 0
     if builtin and e["replay"] and not replay:
         log(f"temperature {settings.temperature}: every drafter is verified by the target (replay is greedy)")
-    reply = engines.target_replies(target, p["max_new_tokens"], p["batch_size"])
+    reply = engines.target_replies(target, p["max_new_tokens"], p["batch_size"], p["compiled"])
     metrics, outputs, comparisons, prompt_counts, first_prompts = {}, {}, {}, {}, None
     for benchmark in benchmarks_of(params):
         prompts = engines.probe_prompts(
@@ -496,6 +497,7 @@ def evaluate_drafters(
                 baseline=state["baseline"],
                 reuse=reuse,
                 replay=replay,
+                compiled=p["compiled"],
             )
             state["baseline"] = result.baseline
             return result
@@ -548,6 +550,7 @@ def sweep_depths(
                 batch_size=e["sweep_batch_size"],
                 baseline=baseline,
                 reuse=reuse,
+                compiled=p["compiled"],
             )
             baseline, sweeps[name][label] = result.baseline, result.metrics
         log(

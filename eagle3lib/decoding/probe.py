@@ -195,7 +195,7 @@ def probe(
         record = (decoder.aux_layer_ids, settings.steps)
         if not _replayable(baseline, *record):
             baseline = decode_baseline(model, prompts, max_new_tokens, 0.0, eos_token_id, seed, batch_size,
-                                       reuse, record)
+                                       reuse, record, compiled)
         spec = [
             decoder.generate_batch([prompts[i] for i in batch], max_new_tokens, eos_token_id,
                                    recordings=out.recordings)

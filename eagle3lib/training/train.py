@@ -434,7 +434,8 @@ def validation_of(params: dict, data: TrainingData, out: Path, procs: Processes)
                             train["validation_new_tokens"], DraftSettings.from_probe(probe),
                             probe["batch_size"], seed=params["run"]["seed"],
                             prompt_chars=probe["prompt_chars"],
-                            template_kwargs=params["data"]["chat_template_kwargs"])
+                            template_kwargs=params["data"]["chat_template_kwargs"],
+                            compiled=probe["compiled"])
     record = Path(out) / VALIDATION_FILE
     if not record.exists():  # once per run: a resumed one keeps what it measured
         source = None
