@@ -448,6 +448,34 @@ def test_tree_verification_scores_each_node_as_its_own_sequence():
             torch.testing.assert_close(next_logits[b, 0], alone, atol=1e-5, rtol=1e-4)
 
 
+def prefilled(monkeypatch, model, prompts: list[list[int]], pack: bool
+              ) -> tuple[batches.TargetBatch, list, tuple]:
+    """The prompts prefilled packed (a direct decoder's prompts in shared rows) or one a row, with the shapes
+    of the input ids of every forward it took."""
+    monkeypatch.setattr(batches, "PLAIN_HEAD_MODELS", frozenset({"llama"} if pack else ()))
+    batch, shapes = batches.TargetBatch(model, aux_layer_ids=[0, 2]), []
+    forward = batch._forward
+    monkeypatch.setattr(batch, "_forward",
+                        lambda ids, *a, **k: shapes.append(ids.shape) or forward(ids, *a, **k))
+    with torch.no_grad():
+        return batch, shapes, batch.prefill(prompts)
+
+
+def assert_same_prefill(batch: batches.TargetBatch, alone: batches.TargetBatch, found: tuple,
+                        expected: tuple) -> None:
+    """The same valid columns, lengths, last logits and aux states, keys and values in every valid column, and
+    zeros in the cache's padding."""
+    assert torch.equal(batch.valid, alone.valid) and torch.equal(batch.lengths, alone.lengths)
+    valid = alone.valid
+    torch.testing.assert_close(found[0], expected[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(found[1][valid], expected[1][valid], rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(batch.cache.layers, alone.cache.layers, strict=True):
+        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            torch.testing.assert_close(a.transpose(1, 2)[valid], b.transpose(1, 2)[valid], rtol=1e-5,
+                                       atol=1e-6)
+            assert not a.transpose(1, 2)[~valid].any() and not b.transpose(1, 2)[~valid].any()
+
+
 @pytest.mark.parametrize("forward_tokens", [4096, 20])
 def test_a_packed_prefill_computes_what_one_prompt_a_row_computes(monkeypatch, forward_tokens):
     """Prompts packed into one row (attention within each, positions restarting), or into rows computed by
@@ -458,34 +486,33 @@ def test_a_packed_prefill_computes_what_one_prompt_a_row_computes(monkeypatch, f
     monkeypatch.setattr(batches, "PREFILL_FORWARD_TOKENS", forward_tokens)
     monkeypatch.setattr(batches, "PREFILL_ROW_TOKENS", 256 if forward_tokens > 20 else 8)
 
-    def prefilled(pack: bool) -> tuple[batches.TargetBatch, list, tuple]:
-        monkeypatch.setattr(batches, "PLAIN_HEAD_MODELS", frozenset({"llama"} if pack else ()))
-        batch, shapes = batches.TargetBatch(model, aux_layer_ids=[0, 2]), []
-        forward = batch._forward
-
-        def counted(ids, *args, **kwargs):
-            shapes.append(ids.shape)
-            return forward(ids, *args, **kwargs)
-
-        monkeypatch.setattr(batch, "_forward", counted)
-        with torch.no_grad():
-            return batch, shapes, batch.prefill(prompts)
-
-    packed, packed_shapes, (logits, aux, _) = prefilled(True)
-    alone, alone_shapes, (logits_alone, aux_alone, _) = prefilled(False)
+    packed, packed_shapes, (logits, aux, _) = prefilled(monkeypatch, model, prompts, pack=True)
+    alone, alone_shapes, (logits_alone, aux_alone, _) = prefilled(monkeypatch, model, prompts, pack=False)
     if forward_tokens > 20:
         assert packed_shapes == [(1, 30)] and alone_shapes == [(4, 20)]  # 30 prompt tokens against 4 x 20
     else:  # rows [20] and [6, 3, 1], a forward each; one prompt a row: 4 forwards of 1 x 20
         assert packed_shapes == [(1, 20)] * 2 and alone_shapes == [(1, 20)] * 4
-    assert torch.equal(packed.valid, alone.valid) and torch.equal(packed.lengths, alone.lengths)
-    torch.testing.assert_close(logits, logits_alone, rtol=1e-5, atol=1e-6)
-    valid = alone.valid
-    torch.testing.assert_close(aux[valid], aux_alone[valid], rtol=1e-5, atol=1e-6)
-    for mine, theirs in zip(packed.cache.layers, alone.cache.layers, strict=True):
-        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
-            torch.testing.assert_close(a.transpose(1, 2)[valid], b.transpose(1, 2)[valid], rtol=1e-5,
-                                       atol=1e-6)
-            assert not a.transpose(1, 2)[~valid].any() and not b.transpose(1, 2)[~valid].any()
+    assert_same_prefill(packed, alone, (logits, aux), (logits_alone, aux_alone))
+
+
+def test_prompts_beginning_alike_share_the_prefill_of_what_they_share(monkeypatch):
+    """Prompts that all begin with the same tokens (a system prompt) have those computed once and copied to
+    every row: the cache, aux states and last logits are those of one prompt a row, each prompt's own tokens
+    computed packed, and greedy decoding of the batch gives each prompt's tokens alone."""
+    model, _ = random_pair(vocab=64, draft_vocab=24)
+    system = list(range(30, 40))
+    prompts = [system + [1, 2, 3], system + [60, 7, 7, 41, 9, 0], system + [5], system + list(range(9, 29))]
+    shared, shared_shapes, (logits, aux, _) = prefilled(monkeypatch, model, prompts, pack=True)
+    alone, alone_shapes, (logits_alone, aux_alone, _) = prefilled(monkeypatch, model, prompts, pack=False)
+    assert shared_shapes == [(1, 10), (1, 30)] and alone_shapes == [(4, 30)]  # 10 + 30 tokens against 4 x 30
+    assert_same_prefill(shared, alone, (logits, aux), (logits_alone, aux_alone))
+    monkeypatch.setattr(batches, "PLAIN_HEAD_MODELS", frozenset({"llama"}))
+    together = speculate.decode_target_only(model, prompts, 12).generations
+    assert [g.tokens for g in together] == [speculate.generate_target_only(model, p, 12).tokens
+                                            for p in prompts]
+    # fewer shared tokens than SHARED_PREFIX_TOKENS: each prompt computed whole
+    monkeypatch.setattr(batches, "SHARED_PREFIX_TOKENS", 11)
+    assert prefilled(monkeypatch, model, prompts, pack=True)[1] == [(1, 70)]
 
 
 def test_compacting_a_cache_keeps_what_each_sequence_attends_to():

@@ -10,6 +10,7 @@ What runs on these batches, the drafts, the verification and the decoding loops,
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -32,6 +33,10 @@ PREFILL_ROW_TOKENS = 256
 # are fresh memory at every kernel (page faults), smaller ones are reused (256 ShareGPT first turns, 19,701
 # tokens, bf16 on 2 cores: 10.1 s in one forward, 7.3-8.1 s in forwards of at most 2,048 or 4,096)
 PREFILL_FORWARD_TOKENS = 2048
+# A batch's prompts that all begin with at least this many of the same tokens (a chat template's system
+# prompt: SmolLM2's 24 open every ShareGPT first turn, a third of 256 of them) have them computed once, their
+# keys and values copied to every row (a direct decoder's packed prefill)
+SHARED_PREFIX_TOKENS = 8
 
 
 def sync(device: torch.device) -> None:
@@ -200,12 +205,13 @@ class TargetBatch:
     def _forward(
         self, input_ids: Tensor, allowed: Tensor, positions: Tensor, last_logits_only: bool = False,
         cache: DynamicCache | None = None, states: bool = False, runs: list | None = None,
-        spans: list | None = None,
+        spans: list | None = None, prefix: DynamicCache | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Logits [B, n, Vt] (n = 1 with `last_logits_only`; with `states`, the final-normed states [B, n, Ht]
         instead) and aux states [B, n, A*Ht] (None without aux layers) of n new columns, written to `cache`
         (the batch's own by default). `spans`: a prefill's prompts in each row (`DirectDecoder`), for a
-        direct decoder to attend within them only; others read the mask, which says the same.
+        direct decoder to attend within them only, and to every column of `prefix` (the keys and values of
+        the tokens they all begin with); others read the mask, which says the same.
 
         The aux states are the decoder layers' outputs taken with hooks, as `Target.capture` takes them for
         training data (HF's output_hidden_states puts the final-normed state where the last layer's output
@@ -221,7 +227,8 @@ class TargetBatch:
         if self._compiled and cache is self.cache:
             out, kept = self._into_buffers(input_ids, mask, positions, self._first.to(device))
         else:
-            out, kept = self._direct(input_ids, mask, positions, cache, self.aux_layer_ids, runs, spans)
+            out, kept = self._direct(input_ids, mask, positions, cache, self.aux_layer_ids, runs, spans,
+                                     prefix)
         if not states:
             out = self.model.get_output_embeddings()(out[:, -1:] if last_logits_only else out)
         return out, torch.cat(kept, dim=-1) if kept else None
@@ -292,8 +299,18 @@ class TargetBatch:
         lengths = [len(p) for p in prompts]
         width = max(lengths)
         pack = self.model.config.get_text_config().model_type in PLAIN_HEAD_MODELS
-        pieces = [(n, b, 0) for b, n in enumerate(lengths)]
-        rows = first_fit_decreasing(pieces, max(width, PREFILL_ROW_TOKENS)) if pack else [[p] for p in pieces]
+        device = self.model.device
+        shared, prefix = 0, None
+        if pack and self._direct is not None and len(prompts) > 1:
+            shared = min(len(os.path.commonprefix(prompts)), min(lengths) - 1)  # each keeps its last token
+            if shared >= SHARED_PREFIX_TOKENS:
+                prefix, prefix_aux = self._prefill_prefix(prompts[0][:shared])
+            else:
+                shared = 0
+        # each prompt's own tokens, after the shared ones
+        pieces = [(n - shared, b, 0) for b, n in enumerate(lengths)]
+        rows = (first_fit_decreasing(pieces, max(width - shared, PREFILL_ROW_TOKENS)) if pack
+                else [[p] for p in pieces])
         row_width = max(sum(n for n, _, _ in row) for row in rows)
         input_ids = torch.zeros(len(rows), row_width, dtype=torch.long)
         positions = torch.zeros(len(rows), row_width, dtype=torch.long)
@@ -307,7 +324,8 @@ class TargetBatch:
             for n, b, _ in row:
                 spans[r].append((offset, n))
                 span = slice(offset, offset + n)
-                input_ids[r, span], positions[r, span] = torch.tensor(prompts[b]), torch.arange(n)
+                input_ids[r, span] = torch.tensor(prompts[b][shared:])
+                positions[r, span] = torch.arange(shared, shared + n)
                 allowed[r, span, span] = torch.ones(n, n, dtype=torch.bool).tril()
                 packed_row += [r] * n
                 packed_column += range(offset, offset + n)
@@ -315,7 +333,6 @@ class TargetBatch:
                 cache_column += range(width - n, width)
                 ends[b] = len(packed_row) - 1
                 offset += n
-        device = self.model.device
         here = (torch.tensor(packed_row, device=device), torch.tensor(packed_column, device=device))
         there = (torch.tensor(cache_row, device=device), torch.tensor(cache_column, device=device))
         starts = torch.tensor([width - n for n in lengths])
@@ -328,7 +345,7 @@ class TargetBatch:
             group = slice(first, first + step)
             packed = DynamicCache(config=self.model.config)
             out, packed_aux = self._forward(input_ids[group], allowed[group], positions[group], not pack,
-                                            cache=packed, states=pack, spans=spans[group])
+                                            cache=packed, states=pack, spans=spans[group], prefix=prefix)
             outs.append(out)
             auxes.append(packed_aux)
             if not cached:  # left padding zeroed: masked, but it must not be NaN (0 x NaN is NaN)
@@ -346,6 +363,14 @@ class TargetBatch:
                     buffer[destination[0], :, destination[1]] = states[source[0], :, source[1]]
         out = torch.cat(outs)
         packed_aux = None if auxes[0] is None else torch.cat(auxes)
+        if prefix is not None:  # the shared tokens go to each row's first `shared` columns after its padding
+            rows_of = torch.arange(len(prompts)).repeat_interleave(shared)
+            columns_of = (starts[:, None] + torch.arange(shared)).flatten()
+            shared_at = (rows_of.to(device), columns_of.to(device))
+            for (keys, values), layer in zip(cached, prefix.layers, strict=True):
+                for buffer, states in ((keys, layer.keys), (values, layer.values)):
+                    buffer[shared_at[0], :, shared_at[1]] = states[0].transpose(0, 1).repeat(len(prompts), 1,
+                                                                                              1)
         for i, (keys, values) in enumerate(cached):
             if appends:  # written in place: no second copy of the whole cache
                 self.cache.layers[i].adopt(keys, values, width)
@@ -355,6 +380,8 @@ class TargetBatch:
         if packed_aux is not None:
             aux = packed_aux.new_zeros(len(prompts), width, packed_aux.shape[-1])
             aux[there] = packed_aux[here]
+            if prefix is not None:
+                aux[shared_at] = prefix_aux[0].repeat(len(prompts), 1)
         if pack:
             logits = self.model.get_output_embeddings()(out[here[0][ends], here[1][ends]])
         else:  # row b is sequence b
@@ -368,6 +395,15 @@ class TargetBatch:
             kv = [(layer.keys, layer.values) for layer in self.cache.layers]
             reuse.found[key] = (logits, aux, kv, self.valid, self._lengths, seconds)
         return logits, aux, seconds
+
+    def _prefill_prefix(self, tokens: list[int]) -> tuple[DynamicCache, Tensor | None]:
+        """The keys and values of `tokens`, which every prompt of a prefill begins with, and their aux states
+        [1, n, A*Ht] (None without aux layers): computed once for all."""
+        n = len(tokens)
+        cache = DynamicCache(config=self.model.config)
+        _, aux = self._forward(torch.tensor([tokens]), torch.ones(1, n, n, dtype=torch.bool).tril(),
+                               torch.arange(n)[None], cache=cache, states=True, spans=[[(0, n)]])
+        return cache, aux
 
     @property
     def lengths(self) -> Tensor:

@@ -169,8 +169,8 @@ class DirectDecoder:
 
     @torch.no_grad()
     def __call__(self, input_ids: Tensor, mask: Tensor, positions: Tensor, cache: Cache,
-                 aux_layer_ids: list[int], runs: list | None = None, spans: list | None = None
-                 ) -> tuple[Tensor, list[Tensor]]:
+                 aux_layer_ids: list[int], runs: list | None = None, spans: list | None = None,
+                 prefix: Cache | None = None) -> tuple[Tensor, list[Tensor]]:
         """The final-normed states [B, n, H] of n new tokens (input_ids, positions [B, n]; mask [B, 1, n, C]
         additive over the cache's C columns after the new ones are written) and the outputs of the decoder
         layers `aux_layer_ids`, in their order. The new keys and values are written to `cache`.
@@ -178,11 +178,17 @@ class DirectDecoder:
         `spans` (a prefill's packed rows, into an empty cache): each row's prompts as [(first column,
         tokens)], each attending causally within itself, the mask unread; a column in no span gets zeros.
         Attention is then computed prompt by prompt, not over whole rows (256 ShareGPT first turns in rows
-        of 373 tokens: most of a row's mask is other prompts; 6.2-7.4 -> 6.2-6.8 s on the 2-core Xeon)."""
+        of 373 tokens: most of a row's mask is other prompts; 6.2-7.4 -> 6.2-6.8 s on the 2-core Xeon).
+        `prefix` (with `spans`): the keys and values [1, Hkv, p, D] of the p tokens every prompt begins with,
+        which each prompt's tokens (at positions p on) also attend to."""
         if spans is not None and cache.get_seq_length():
             raise ValueError(f"prompt spans index the new columns, but the cache holds "
                              f"{cache.get_seq_length()} already")
         hidden, cos, signed_sin = _embed(self.decoder, input_ids, positions)
+        shared = 0 if prefix is None else prefix.get_seq_length()
+        # a prompt's token j sees the shared columns and its own up to j
+        masks = {n: torch.ones(n, shared + n, dtype=torch.bool, device=hidden.device).tril(shared)
+                 for row in spans or [] for _, n in row} if shared else {}
 
         def attend(i: int, attention: nn.Module, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
             key, value = cache.update(key, value, i)
@@ -193,9 +199,13 @@ class DirectDecoder:
             for r, row in enumerate(spans):
                 for first, tokens in row:
                     span = slice(first, first + tokens)
+                    keys, values = key[r:r + 1, :, span], value[r:r + 1, :, span]
+                    if shared:
+                        keys = torch.cat([prefix.layers[i].keys, keys], dim=2)
+                        values = torch.cat([prefix.layers[i].values, values], dim=2)
                     out[r, span] = F.scaled_dot_product_attention(  # 4-D: 3-D takes a slower kernel
-                        query[r:r + 1, :, span], key[r:r + 1, :, span], value[r:r + 1, :, span],
-                        is_causal=True, scale=attention.scaling, enable_gqa=True)[0].transpose(0, 1)
+                        query[r:r + 1, :, span], keys, values, attn_mask=masks.get(tokens),
+                        is_causal=not shared, scale=attention.scaling, enable_gqa=True)[0].transpose(0, 1)
             return out
 
         return _layers(self.decoder, hidden, cos, signed_sin, attend, aux_layer_ids, fused=True)
