@@ -286,7 +286,9 @@ class TargetBatch:
         are computed packed, laid into rows of `PREFILL_ROW_TOKENS` (or the longest prompt) with attention
         within each prompt and positions restarting with each, so that no padding is computed (32 ShareGPT
         first turns: 2,168 tokens where left padding computes 32 x the longest); other targets get one
-        prompt a row. The keys and values then go into the cache left-padded to the longest prompt."""
+        prompt a row. The keys and values then go into the cache left-padded to the longest prompt. Where a
+        direct decoder packs them, the tokens every prompt begins with (`SHARED_PREFIX_TOKENS` or more: a
+        system prompt) are computed once and their keys, values and aux states copied to every row."""
         key = (tuple(map(tuple, prompts)), tuple(self.aux_layer_ids))
         if reuse is not None and key in reuse.found:
             logits, aux, kv, self.valid, self._lengths, seconds = reuse.found[key]
@@ -364,13 +366,13 @@ class TargetBatch:
         out = torch.cat(outs)
         packed_aux = None if auxes[0] is None else torch.cat(auxes)
         if prefix is not None:  # the shared tokens go to each row's first `shared` columns after its padding
-            rows_of = torch.arange(len(prompts)).repeat_interleave(shared)
+            count = len(prompts)
+            rows_of = torch.arange(count).repeat_interleave(shared)
             columns_of = (starts[:, None] + torch.arange(shared)).flatten()
             shared_at = (rows_of.to(device), columns_of.to(device))
             for (keys, values), layer in zip(cached, prefix.layers, strict=True):
                 for buffer, states in ((keys, layer.keys), (values, layer.values)):
-                    buffer[shared_at[0], :, shared_at[1]] = states[0].transpose(0, 1).repeat(len(prompts), 1,
-                                                                                              1)
+                    buffer[shared_at[0], :, shared_at[1]] = states[0].transpose(0, 1).repeat(count, 1, 1)
         for i, (keys, values) in enumerate(cached):
             if appends:  # written in place: no second copy of the whole cache
                 self.cache.layers[i].adopt(keys, values, width)
@@ -381,7 +383,7 @@ class TargetBatch:
             aux = packed_aux.new_zeros(len(prompts), width, packed_aux.shape[-1])
             aux[there] = packed_aux[here]
             if prefix is not None:
-                aux[shared_at] = prefix_aux[0].repeat(len(prompts), 1)
+                aux[shared_at] = prefix_aux[0].repeat(count, 1)
         if pack:
             logits = self.model.get_output_embeddings()(out[here[0][ends], here[1][ends]])
         else:  # row b is sequence b
