@@ -188,10 +188,13 @@ def test_a_cost_comparison_charges_regenerated_data_what_making_it_took(tmp_path
         (run / "metrics.json").write_text(json.dumps({"provenance": [provenance]}))
         records[label] = publish.publish_curves(run, tmp_path / "records" / label, command="eagle3 run test")
     elsewhere = records.pop("elsewhere")
-    with pytest.raises(publish.PublishError, match=r"not comparable: .*regenerated .* trained on a test CPU; "
-                                                   r".*elsewhere .* trained on another CPU"):
-        publish.publish_cost_comparison(records | {"elsewhere": elsewhere}, tmp_path / "records" / "mixed",
-                                        command="test", regeneration_cores=2)
+    mixed = {"regenerated": records["regenerated"], "elsewhere": elsewhere, "original": records["original"]}
+    named = (r"not comparable: .*regenerated .* trained on a test CPU; "
+             r".*elsewhere .* trained on another CPU; "
+             r".*original .* trained on a test CPU")  # every record, not only those read before the odd one
+    with pytest.raises(publish.PublishError, match=named):
+        publish.publish_cost_comparison(mixed, tmp_path / "records" / "mixed", command="test",
+                                        regeneration_cores=2)
     assert not (tmp_path / "records" / "mixed").exists()
     folder = publish.publish_cost_comparison(records, tmp_path / "records" / "costs", command="test",
                                              regeneration_cores=2)

@@ -144,15 +144,16 @@ def publish_cost_comparison(records: dict[str, Path], out: Path, *, command: str
     x the core-seconds a token took to train (the arm's training seconds x its threads / its tokens), plus,
     where the data was regenerated, its share of what regeneration took (core-seconds / template tokens,
     charged once per token of the data: a second pass costs no more regeneration)."""
-    arms, machines = {}, {}
-    for label, folder in records.items():
-        record = read_record(folder)
-        machines[label] = record["machine"].partition(",")[0]
-        if len(set(machines.values())) > 1:  # a core-second on one CPU buys other work than on another
-            raise PublishError(
-                "core-hours from different CPUs are not comparable: "
-                + "; ".join(f"{name} ({records[name]}) trained on {cpu}" for name, cpu in machines.items())
-                + ". Train every arm on one machine")
+    found = {label: read_record(folder) for label, folder in records.items()}
+    cpus = {label: record["machine"].partition(",")[0] for label, record in found.items()}
+    if len(set(cpus.values())) > 1:  # a core-second on one CPU buys other work than on another
+        raise PublishError(
+            "core-hours from different CPUs are not comparable: "
+            + "; ".join(f"{label} ({records[label]}) trained on {cpu}" for label, cpu in cpus.items())
+            + ". Train every arm on one machine")
+    arms = {}
+    for label, record in found.items():
+        folder = records[label]
         threads = re.search(r"(\d+) threads?", record["machine"])
         if threads is None:
             raise PublishError(f"{folder}: its machine ({record['machine']!r}) names no thread count")
