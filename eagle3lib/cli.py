@@ -412,7 +412,8 @@ def _target_decoding_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="the target's dtype (float32: greedy output exact)")
     p.add_argument("--device", default="auto")
     p.add_argument("--compiled", action="store_true", help="the target's steps through one compiled graph (a "
-                   "Llama-like target; about a minute to compile on 2 cores, once more for batch 1)")
+                   "Llama-like target; up to four compilations, one row or more, one token or K+1, about a "
+                   "minute each on 2 cores)")
 
 
 def _probe_arguments(p: argparse.ArgumentParser) -> None:

@@ -111,8 +111,8 @@ class ProbeSection:
     )
     compiled: bool = setting(
         False, "builtin: the target's steps and verifications through one compiled graph (a Llama-like "
-        "target; compiled once a process and once more for batch 1, about a minute each on 2 cores: for long "
-        "probes)"
+        "target; up to four compilations a process, one row or more, one token or K+1, about a minute each "
+        "on 2 cores: for long probes)"
     )
     sglang_url: str = setting("http://127.0.0.1:30000", "backend sglang: a server started with EAGLE3")
 
