@@ -542,6 +542,62 @@ def _table(args: argparse.Namespace) -> int:
     return 0
 
 
+def _coverage_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("corpus", help="a conversation corpus whose training split the maps are built from: "
+                   "sharegpt, or a .json/.jsonl(.gz) file or folder")
+    p.add_argument("--target", required=True, help="a local Hugging Face folder or zoo:<name>")
+    p.add_argument("--benchmark", default="sharegpt:64", metavar="CORPUS:N[:TURNS]",
+                   help="the held-out prompts the target replies to (default sharegpt:64)")
+    p.add_argument("--sizes", type=lambda text: [whole(1)(item) for item in text.split(",")],
+                   default="1024,2048,4096,8192,16384,32000", metavar="VD,VD,...",
+                   help="the draft vocabulary sizes tabulated (EAGLE-3's releases: 32,000)")
+    p.add_argument("--seq-len", type=whole(2), default=2048, help="tokens per sample (longer ones are cut)")
+    p.add_argument("--chat-template-kwargs", type=template_switches, default={}, metavar="JSON",
+                   help="the template's switches, e.g. '{\"enable_thinking\": true}'")
+    _target_decoding_arguments(p)
+    p.add_argument("-o", "--output", help="also write the record here: coverage.json, coverage.png and "
+                   "provenance.json with their SHA-256")
+
+
+@command("coverage", "which draft vocabulary size to train: the share of held-out target replies inside the "
+         "map of each size", _coverage_arguments)
+def _coverage(args: argparse.Namespace) -> int:
+    import json
+    import sys
+    import time
+    from pathlib import Path
+
+    from eagle3lib import files
+    from eagle3lib.data.benchmarks import Benchmark
+    from eagle3lib.data.conversations import ChatRenderer
+    from eagle3lib.decoding import engines, evaluate
+    from eagle3lib.devices import machine_description
+    from eagle3lib.reports import plots
+    from eagle3lib.runs import git_commit
+
+    start = time.perf_counter()
+    target, _ = engines.open_target(args.target, "builtin", args.dtype, args.device)
+    renderer = ChatRenderer(target.tokenizer, target.stop_token_ids, "all", args.chat_template_kwargs)
+    found = evaluate.vocab_coverage(target, renderer, args.corpus, Benchmark.parse(args.benchmark),
+                                    args.max_new_tokens, args.batch_size, args.seq_len,
+                                    sorted(set(args.sizes)), compiled=args.compiled)
+    machine = machine_description()
+    print(f"{evaluate.vocab_coverage_markdown(found)}\n\nmaps from {args.corpus}'s training split "
+          f"({found['conversations']['train']['loss_tokens']:,} loss tokens); the target {args.target} "
+          f"({target.dtype}) replied {args.max_new_tokens} tokens at most; {machine}")
+    if args.output:
+        record = {"target": args.target, "dtype": str(target.dtype).removeprefix("torch."),
+                  "machine": machine, "command": "eagle3 " + " ".join(sys.argv[1:]), "commit": git_commit(),
+                  "seconds": time.perf_counter() - start, **found}
+        with files.staged_folder(Path(args.output)) as staging:
+            files.atomic_write_text(staging / "coverage.json", json.dumps(record, indent=1) + "\n")
+            plots.coverage_by_vd(found, staging / "coverage.png")
+            sha = {name: files.file_sha256(staging / name) for name in ("coverage.json", "coverage.png")}
+            files.atomic_write_text(staging / "provenance.json", json.dumps(
+                {"command": record["command"], "commit": record["commit"], "sha256": sha}, indent=1) + "\n")
+    return 0
+
+
 def _dataset_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="a conversation file or folder (.json/.jsonl, optionally .gz), or sharegpt")
     p.add_argument("--target", required=True, help="whose chat template renders it: a local Hugging Face "

@@ -239,6 +239,42 @@ def test_a_multi_turn_draw_asks_a_held_out_conversations_first_user_turns_in_ord
         benchmarks.Benchmark.parse("sharegpt")
 
 
+def test_eagle3_coverage_measures_the_map_of_each_size_on_held_out_replies(tmp_path, capsys):
+    from eagle3lib import cli
+    from eagle3lib.data.conversations import ChatRenderer
+    from eagle3lib.data.sources import dataset_report
+    from eagle3lib.drafter.vocab import VocabMap
+    from eagle3lib.files import file_sha256
+    from eagle3lib.target.model import Target
+    from tests.test_conversations import conversation_file
+
+    corpus, out = conversation_file(tmp_path, n=40), tmp_path / "coverage"
+    args = ["coverage", str(corpus), "--target", "zoo:tiny-llama", "--benchmark", "sharegpt:3", "--sizes",
+            "64,8", "--max-new-tokens", "6", "--batch-size", "2", "--seq-len", "64"]
+    assert cli.main([*args, "-o", str(out)]) == 0
+    record = json.loads((out / "coverage.json").read_text())
+    replies, heldout, train = record["rows"][0]["coverage"]
+    assert replies.startswith("the target's replies (sharegpt, 3 prompts)") and "in sample" in train
+    target = Target.load("zoo:tiny-llama", dtype=torch.float32)
+    renderer = ChatRenderer(target.tokenizer, target.stop_token_ids)
+    found = {split: dataset_report(str(corpus), renderer, 64, 0.1, split) for split in ("train", "heldout")}
+    counts = {split: f.loss_token_counts(target.vocab_size) for split, f in found.items()}
+    assert record["conversations"]["heldout"]["kept"] == found["heldout"].stats.kept > 0
+    for row, vd in zip(record["rows"], (8, 64), strict=True):  # sorted
+        vocab_map = VocabMap.from_counts(counts["train"], vd)
+        assert row["vd"] == vd and row["coverage"][train] == vocab_map.coverage(counts["train"])
+        assert row["coverage"][heldout] == vocab_map.coverage(counts["heldout"])
+    assert record["counted_tokens"][replies] <= 3 * 6 and record["counted_tokens"][heldout] > 0
+    for points in record["curves"].values():
+        shares = [share for _, share in points]
+        assert shares == sorted(shares) and shares[-1] == 1.0  # the whole vocabulary holds every token
+    sha = json.loads((out / "provenance.json").read_text())["sha256"]
+    assert sha == {name: file_sha256(out / name) for name in ("coverage.json", "coverage.png")}
+    assert "| 8 |" in capsys.readouterr().out
+    assert cli.main(["coverage", "stdlib-code", "--target", "zoo:tiny-llama"]) == 2
+    assert "'stdlib-code' is a document corpus" in capsys.readouterr().err
+
+
 def test_a_tau_table_measures_every_benchmark_at_every_setting_with_its_interval(tmp_path):
     from eagle3lib import cli
 

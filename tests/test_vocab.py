@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3lib import cli
-from eagle3lib.drafter.vocab import VocabMap, VocabMapError, diff, load_counts
+from eagle3lib.drafter.vocab import VocabMap, VocabMapError, coverage_by_size, diff, load_counts
 
 FIXTURES = Path(__file__).parent / "fixtures" / "speculators-0.9.0"
 
@@ -279,3 +279,15 @@ def test_cli_diff_vocab(tmp_path, pair, capsys):
     shutil.copy(FIXTURES / "sglang_tiny" / "model.safetensors", tmp_path / "small.safetensors")
     assert cli.main(["diff-vocab", str(tmp_path / "a.safetensors"), str(tmp_path / "small.safetensors")]) == 2
     assert "the map is for Vt 512 but the other map" in capsys.readouterr().err
+
+
+def test_coverage_by_size_is_the_map_of_every_size_measured_at_once():
+    counts = torch.tensor([5, 0, 3, 3, 0, 7, 1, 0])  # a tie (ids 2 and 3) and unseen tokens
+    heldout = torch.tensor([1, 4, 0, 2, 1, 3, 0, 5])
+    curve = coverage_by_size(counts, heldout)
+    assert curve.tolist() == [VocabMap.from_counts(counts, n).coverage(heldout) for n in range(1, 9)]
+    assert curve[2] == 4 / 16 and curve[-1] == 1.0  # ids 5, 0, 2 first: the tie goes to the lower id
+    with pytest.raises(VocabMapError, match="held-out counts: no tokens counted"):
+        coverage_by_size(counts, torch.zeros(8, dtype=torch.long))
+    with pytest.raises(VocabMapError, match="held-out counts: the count table has 5 entries"):
+        coverage_by_size(counts, heldout[:5])

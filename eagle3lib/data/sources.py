@@ -187,6 +187,14 @@ class DatasetReport:
     tokens: int
     loss_tokens: int
 
+    def loss_token_counts(self, vocab_size: int) -> Tensor:
+        """int64 [vocab_size]: how often each token is in the loss of the kept samples, counted as
+        00_prepare_data counts the tokens it builds its vocab map from."""
+        counts = torch.zeros(vocab_size, dtype=torch.int64)
+        for sample in self.samples:
+            counts += torch.bincount(sample.input_ids[sample.loss_mask], minlength=vocab_size)
+        return counts
+
     def as_dict(self) -> dict:
         return {"read": self.stats.read, "skipped": dict(self.stats.skipped),
                 "dropped_turns": dict(self.stats.dropped_turns), "heldout": self.heldout,

@@ -8,6 +8,7 @@ the metrics it stores; the run's summary reads those back through `summary_lines
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -256,6 +257,71 @@ def tau_table_markdown(rows: list[dict]) -> str:
     return "\n".join(lines + [""] + [f"- {s}: {terms[s]}" for s in settings] + [
         "- the target's own tokens inside the draft vocabulary: "
         + "; ".join(f"{b} {share:.1%}" for b, share in coverage.items())])
+
+
+def vocab_coverage(target, renderer, corpus: str, benchmark: Benchmark, max_new_tokens: int,
+                   batch_size: int, seq_len: int, sizes: list[int], heldout_fraction: float = 0.1,
+                   compiled: bool = False) -> dict:
+    """Which draft vocabulary size Vd to train: the maps 00_prepare_data would build from a conversation
+    corpus's training split at every size, each measured by the share of held-out text it holds (a token
+    outside the map is never accepted). Held out: the target's own greedy replies to `benchmark`'s prompts
+    (what speculation drafts), and the held-out conversations' own replies; the training replies themselves
+    beside them (in sample, the most any map of that size holds of them). With each size's lm_head in bf16."""
+    import torch
+
+    from eagle3lib.data.corpora import corpus_kind
+    from eagle3lib.data.layout import DataError
+    from eagle3lib.data.sources import dataset_report
+    from eagle3lib.decoding import engines, probe
+    from eagle3lib.decoding.speculate import decode_target_only
+    from eagle3lib.drafter.vocab import coverage_by_size
+
+    if corpus_kind(corpus) != "conversations":
+        raise DataError(f"{corpus!r} is a document corpus: its maps are measured on conversations' replies")
+    vt = target.vocab_size
+    if not 0 < min(sizes) <= max(sizes) <= vt:
+        raise ValueError(f"draft vocabulary sizes must be in [1, Vt {vt}], got {sizes}")
+    reads = {split: dataset_report(corpus, renderer, seq_len, heldout_fraction, split)
+             for split in ("train", "heldout")}
+    counts = {split: found.loss_token_counts(vt) for split, found in reads.items()}
+    reply = engines.target_replies(target, max_new_tokens, batch_size, compiled)
+    prompts = engines.probe_prompts(target.tokenizer, benchmark.corpus, benchmark.num_prompts, 600, True,
+                                    reply, template_kwargs=renderer.kwargs, turns=benchmark.turns)
+    replies = []
+    for batch in probe.batches_by_length(prompts, batch_size):
+        out = decode_target_only(target.model, [prompts[i] for i in batch], max_new_tokens,
+                                 eos_token_id=target.stop_token_ids, compiled=compiled)
+        replies += [token for generation in out.generations for token in generation.tokens]
+    held = {
+        f"the target's replies ({benchmark.name}, {len(prompts)} prompts)": torch.bincount(
+            torch.tensor(replies, dtype=torch.long), minlength=vt),
+        "held-out conversations' replies": counts["heldout"],
+        "the training replies (in sample)": counts["train"],
+    }
+    curves = {label: coverage_by_size(counts["train"], table) for label, table in held.items()}
+    points = sorted({round(float(x)) for x in torch.logspace(0, math.log10(vt), 96)} | set(sizes))
+    return {
+        "corpus": corpus, "benchmark": benchmark.name, "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens, "seq_len": seq_len, "heldout_fraction": heldout_fraction, "vt": vt,
+        "conversations": {split: {"kept": found.stats.kept, "skipped": dict(found.stats.skipped),
+                                  "samples": found.samples_read, "loss_tokens": found.loss_tokens}
+                          for split, found in reads.items()},
+        "counted_tokens": {label: int(table.sum()) for label, table in held.items()},
+        "rows": [{"vd": n, "lm_head_megabytes_bf16": n * target.hidden_size * 2 / 2**20,
+                  "coverage": {label: float(curve[n - 1]) for label, curve in curves.items()}}
+                 for n in sizes],
+        "curves": {label: [[n, float(curve[n - 1])] for n in points] for label, curve in curves.items()},
+    }
+
+
+def vocab_coverage_markdown(found: dict) -> str:
+    """Sizes down, held-out texts across: the share each map holds."""
+    labels = list(found["rows"][0]["coverage"])
+    lines = ["| Vd | lm_head (bf16) | " + " | ".join(labels) + " |", "|---" * (len(labels) + 2) + "|"]
+    for row in found["rows"]:
+        lines.append(f"| {row['vd']:,} | {row['lm_head_megabytes_bf16']:.1f} MB | "
+                     + " | ".join(f"{row['coverage'][label]:.1%}" for label in labels) + " |")
+    return "\n".join(lines)
 
 
 def check_evaluate_settings(params: dict) -> None:

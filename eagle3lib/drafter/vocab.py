@@ -268,6 +268,19 @@ class VocabMap:
         return int(table[self.draft_ids].sum()) / total if total else 0.0
 
 
+def coverage_by_size(counts: torch.Tensor, heldout: torch.Tensor) -> torch.Tensor:
+    """float64 [Vt]: entry n - 1 is the share of the `heldout` token mass that the map
+    `from_counts(counts, n)` holds, for every size n at once (tokens taken in the order `from_counts` takes
+    them)."""
+    table = _as_int64(counts, "counts", "counts")
+    held = check_counts(heldout, table.numel(), "held-out counts")
+    total = int(held.sum())
+    if not total:
+        raise VocabMapError("held-out counts: no tokens counted, so no share of them can be covered")
+    most_frequent_first = torch.sort(-table, stable=True).indices
+    return held[most_frequent_first].cumsum(0).to(torch.float64) / total
+
+
 # ---------------------------------------------------------------------- file readers
 
 

@@ -316,6 +316,26 @@ def vocab_coverage(
     return _finish(fig, path)
 
 
+def coverage_by_vd(found: dict, path: str | os.PathLike | None = None) -> Figure:
+    """`evaluate.vocab_coverage`: the share of each held-out text that the map of each size Vd holds, built
+    from the training split's counts; the measured sizes marked."""
+    fig, axis = plt.subplots(figsize=(8, 4.5))
+    for label, points in found["curves"].items():
+        sizes, shares = zip(*points, strict=True)
+        axis.plot(sizes, shares, label=label, linestyle=":" if "in sample" in label else "-")
+    for row in found["rows"]:
+        axis.axvline(row["vd"], color="grey", alpha=0.25, linewidth=0.8)
+    axis.set_xscale("log")
+    axis.set_ylim(0, 1.01)
+    axis.set_xlabel("draft vocabulary size Vd: the most frequent tokens of the training replies (log scale)")
+    axis.set_ylabel("share of the text's tokens in the map")
+    axis.set_title(f"draft vocabulary coverage, maps from {found['corpus']}'s training split "
+                   f"({found['conversations']['train']['loss_tokens']:,} loss tokens)", fontsize=10)
+    axis.legend(loc="lower right", fontsize=9)
+    axis.grid(alpha=0.3)
+    return _finish(fig, path)
+
+
 def remap_row_moves(old: VocabMap, new: VocabMap, path: str | os.PathLike | None = None) -> Figure:
     """Where lm_head rows went: old vs new draft position of each shared token, and how far rows moved."""
     sources = old.target_to_draft[new.draft_ids]
