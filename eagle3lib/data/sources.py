@@ -35,6 +35,7 @@ from eagle3lib.data.corpora import (
     split_documents,
 )
 from eagle3lib.data.layout import DataError
+from eagle3lib.progress import progress
 
 TEXT_KINDS = {"raw": "documents", "self-distill": "documents", "conversation": "conversations",
               "regenerate": "conversations"}
@@ -219,7 +220,8 @@ def dataset_report(corpus: str, renderer: ChatRenderer, seq_len: int, heldout_fr
                 yield conversation
 
     samples, count, tokens, loss_tokens = [], 0, 0, 0
-    for sample in islice(conversation_samples(renderer, chosen(), seq_len, cut, stats), limit):
+    rendered = islice(conversation_samples(renderer, chosen(), seq_len, cut, stats), limit)
+    for sample in progress(rendered, desc=f"{corpus} ({split})", unit="sample"):
         count += 1
         tokens += len(sample.input_ids)
         loss_tokens += int(sample.loss_mask.sum())
