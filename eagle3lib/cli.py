@@ -562,17 +562,15 @@ def _coverage_arguments(p: argparse.ArgumentParser) -> None:
 @command("coverage", "which draft vocabulary size to train: the share of held-out target replies inside the "
          "map of each size", _coverage_arguments)
 def _coverage(args: argparse.Namespace) -> int:
-    import json
     import sys
     import time
     from pathlib import Path
 
-    from eagle3lib import files
     from eagle3lib.data.benchmarks import Benchmark
     from eagle3lib.data.conversations import ChatRenderer
     from eagle3lib.decoding import engines, evaluate
     from eagle3lib.devices import machine_description
-    from eagle3lib.reports import plots
+    from eagle3lib.reports.publish import publish_coverage
     from eagle3lib.runs import git_commit
 
     start = time.perf_counter()
@@ -589,12 +587,7 @@ def _coverage(args: argparse.Namespace) -> int:
         record = {"target": args.target, "dtype": str(target.dtype).removeprefix("torch."),
                   "machine": machine, "command": "eagle3 " + " ".join(sys.argv[1:]), "commit": git_commit(),
                   "seconds": time.perf_counter() - start, **found}
-        with files.staged_folder(Path(args.output)) as staging:
-            files.atomic_write_text(staging / "coverage.json", json.dumps(record, indent=1) + "\n")
-            plots.coverage_by_vd(found, staging / "coverage.png")
-            sha = {name: files.file_sha256(staging / name) for name in ("coverage.json", "coverage.png")}
-            files.atomic_write_text(staging / "provenance.json", json.dumps(
-                {"command": record["command"], "commit": record["commit"], "sha256": sha}, indent=1) + "\n")
+        publish_coverage(record, Path(args.output))
     return 0
 
 

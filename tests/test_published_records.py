@@ -13,11 +13,12 @@ from eagle3lib.reports import publish
 FOLDER = files.REPO_ROOT / "records"
 RECORDS = sorted(p.parent / publish.PROVENANCE for p in FOLDER.glob(f"*/{publish.CURVES}"))
 COMPARISONS = sorted(FOLDER.glob(f"*/{publish.COMPARISON}"))
+COVERAGES = sorted(FOLDER.glob(f"*/{publish.COVERAGE}"))
 
 
-def test_every_record_is_a_curves_record_or_a_cost_comparison():
+def test_every_record_is_a_curves_record_a_cost_comparison_or_a_coverage():
     folders = sorted(FOLDER.glob(f"*/{publish.PROVENANCE}"))
-    assert folders == sorted(RECORDS + [p.parent / publish.PROVENANCE for p in COMPARISONS])
+    assert folders == sorted(RECORDS + [p.parent / publish.PROVENANCE for p in COMPARISONS + COVERAGES])
 
 
 def test_the_warm_start_curve_is_committed():
@@ -73,3 +74,15 @@ def test_a_cost_comparison_matches_its_hashes_and_the_records_it_compares(compar
         assert [{k: v for k, v in p.items() if k != "core_hours"} for p in arm["points"]] == points
         assert [p["core_hours"] for p in arm["points"]] == sorted(p["core_hours"] for p in arm["points"])
     assert compared["paired"] == publish.paired_at_equal_steps(compared["arms"])
+
+
+@pytest.mark.parametrize("coverage", COVERAGES, ids=lambda p: p.parent.name)
+def test_a_coverage_record_matches_its_hashes_and_holds_more_at_every_larger_size(coverage):
+    publish.check_published(coverage.parent)
+    record = yaml.safe_load(coverage.read_text())  # JSON is YAML
+    assert record["command"].startswith("eagle3 coverage ") and record["commit"] and record["machine"]
+    for label, points in record["curves"].items():
+        shares = [share for _, share in points]
+        assert shares == sorted(shares) and 0 < shares[0] and shares[-1] == 1.0, label
+        at = dict(points)
+        assert all(row["coverage"][label] == at[row["vd"]] for row in record["rows"]), label

@@ -183,6 +183,22 @@ def publish_cost_comparison(records: dict[str, Path], out: Path, *, command: str
     return Path(out)
 
 
+COVERAGE = "coverage.json"
+COVERAGE_FIGURE = "coverage.png"
+
+
+def publish_coverage(record: dict, out: Path) -> Path:
+    """`eagle3 coverage`'s measurement (`evaluate.vocab_coverage`, with its command, commit and machine) as a
+    committed record `out/`: coverage.json, the figure and provenance with their SHA-256."""
+    with files.staged_folder(Path(out)) as staging:
+        files.atomic_write_text(staging / COVERAGE, json.dumps(record, indent=1) + "\n")
+        plots.coverage_by_vd(record, staging / COVERAGE_FIGURE)
+        sha = {name: files.file_sha256(staging / name) for name in (COVERAGE, COVERAGE_FIGURE)}
+        provenance = {"command": record["command"], "commit": record["commit"], "sha256": sha}
+        files.atomic_write_text(staging / PROVENANCE, json.dumps(provenance, indent=1) + "\n")
+    return Path(out)
+
+
 def paired_at_equal_steps(arms: dict[str, dict]) -> list[str]:
     """Each arm against the first at every step both measured, on each benchmark: τ difference with its paired
     95 % interval (the same validation prompts, the same target outputs)."""
