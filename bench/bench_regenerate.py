@@ -51,6 +51,24 @@ def timed(engine, batch: list[regenerate.Request], size: int) -> tuple[int, floa
     return tokens, time.perf_counter() - start
 
 
+def measure(name: str, target: Target, renderer: ChatRenderer, batch: list[regenerate.Request], size: int,
+            chunk: int, max_new_tokens: int, temperature: float = 0.0) -> tuple[int, float, float]:
+    """(reply tokens, seconds, start-up seconds) of engine `name` (builtin, builtin-compiled or vllm) on the
+    prompts, `chunk` a call, after a warm-up call on the first chunk (allocation, compilation, vLLM's
+    start)."""
+    settings = regenerate.RegenerationSettings(
+        engine=name.removesuffix("-compiled"), compiled=name.endswith("-compiled"),
+        max_new_tokens=max_new_tokens, batch_size=size, dtype=str(target.dtype).removeprefix("torch."),
+        temperature=temperature)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as work, \
+            regenerate.make_engine(settings, target, renderer, Path(work)) as engine:
+        timed(engine, batch[:chunk], chunk)
+        ready = time.perf_counter() - started
+        tokens, seconds = timed(engine, batch, chunk)
+    return tokens, seconds, ready
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=64)
@@ -61,11 +79,12 @@ def main() -> None:
     parser.add_argument("--engines", default="builtin,builtin-compiled,vllm")
     parser.add_argument("--chunk", type=int, help="prompts an engine gets a call (default: the batch size)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | auto (the built-in engine's device)")
     args = parser.parse_args()
     print(machine_description())
     sizes = [int(size) for size in args.batch_sizes.split(",")]
     for dtype in args.dtypes.split(","):
-        target = Target.load(TARGET, dtype=dtype, device="cpu")
+        target = Target.load(TARGET, dtype=dtype, device=args.device)
         renderer = ChatRenderer(target.tokenizer, target.stop_token_ids)
         batch = requests(renderer, args.prompts, args.max_prompt_tokens)
         prompt_tokens = sum(len(r.prompt_ids) for r in batch)
@@ -74,22 +93,13 @@ def main() -> None:
               f"{'greedy' if args.temperature == 0 else f'sampled at temperature {args.temperature}'}")
         for name in args.engines.split(","):
             for size in sizes:
-                settings = regenerate.RegenerationSettings(
-                    engine=name.removesuffix("-compiled"), compiled=name.endswith("-compiled"),
-                    max_new_tokens=args.max_new_tokens, batch_size=size, dtype=dtype,
-                    temperature=args.temperature)
-                started = time.perf_counter()
-                with tempfile.TemporaryDirectory() as work, \
-                        regenerate.make_engine(settings, target, renderer, Path(work)) as engine:
-                    chunk = args.chunk or size
-                    timed(engine, batch[:chunk], chunk)  # warm-up: the first calls allocate (and compile)
-                    ready = time.perf_counter() - started
-                    tokens, seconds = timed(engine, batch, chunk)
+                chunk = args.chunk or size
+                tokens, seconds, ready = measure(name, target, renderer, batch, size, chunk,
+                                                 args.max_new_tokens, args.temperature)
                 start_note = f" (start-up {ready:.0f} s, not counted)" if name != "builtin" else ""
                 calls = f", {chunk} prompts a call" if args.chunk else ""
                 print(f"  {name:>7} {dtype:>8} batch {size:>3}{calls}: {tokens:6,} reply tokens in "
                       f"{seconds:6.1f} s = {tokens / seconds:6.1f} tok/s{start_note}", flush=True)
-
 
 if __name__ == "__main__":
     main()

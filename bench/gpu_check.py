@@ -16,6 +16,10 @@ On one CUDA device (the current one), in order:
    agree within MEMORY_TOLERANCE.
 3. when `.venv-bench` exists (`make bench-venv`): speculators 0.9.0's Eagle3DraftModel on the same weights
    and batch (bench/bench_vs_speculators.py builds it), in a child process of that venv: tokens/s and peak.
+4. decoding: which serving engines the host has (vLLM, SGLang: installed or not, their versions), then
+   SmolLM2-135M-Instruct in bf16 replying to ShareGPT first turns through the built-in engine, eager and
+   compiled, as `eagle3 regenerate` drives it (bench/bench_regenerate.py's measurement): reply tokens/s at
+   `--decode-batch`, against the goal of DECODING_GOAL at batch 256.
 
 Every check runs; the script ends with the failed ones named and exits 1 if there are any. Without a CUDA
 device it says so and exits 0: nothing was checked.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.metadata
 import json
 import statistics
 import subprocess
@@ -33,17 +38,20 @@ import sys
 import time
 from pathlib import Path
 
+import bench_regenerate
 import bench_vs_speculators
 import memory_plan
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from eagle3lib.data.conversations import ChatRenderer
 from eagle3lib.data.readers import TrainingData
 from eagle3lib.drafter import ttt_attention
 from eagle3lib.drafter.config import default_aux_layer_ids
 from eagle3lib.drafter.vocab import VocabMap
 from eagle3lib.params import load_params
+from eagle3lib.target.model import Target
 from eagle3lib.training import arms
 from eagle3lib.training.trainer import Processes, Trainer
 
@@ -55,6 +63,7 @@ KIMI = {"hidden": 7168, "heads": 64, "kv_heads": 64, "head_dim": 128, "intermedi
 # fused vs blocked on one batch from the same weights, bf16 autocast: relative differences allowed
 LOSS_TOLERANCE, GRAD_NORM_TOLERANCE = 1e-2, 5e-2
 MEMORY_TOLERANCE = 0.15  # |measured / predicted - 1| for the peak of a step
+DECODING_GOAL = 25_000  # reply tokens/s of SmolLM2-135M in bf16 at batch 256 on one GPU (issue 40)
 
 
 class Checks:
@@ -269,6 +278,42 @@ def against_speculators(args: argparse.Namespace, ours: dict, checks: Checks) ->
               f"{ours['fused']['peak_bytes'] / theirs['peak_bytes']:.2f}x the peak")
 
 
+# ----------------------------------------------------------------------------- 4. decoding
+
+
+def serving_engines() -> dict[str, str | None]:
+    """The serving engines installed beside this Python: name -> version, None where absent."""
+    found = {}
+    for name in ("vllm", "sglang"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def decoding(args: argparse.Namespace, device: torch.device, checks: Checks) -> None:
+    engines = serving_engines()
+    print(f"\n4. decoding: {bench_regenerate.TARGET} in bf16, {args.decode_prompts} ShareGPT first turns x "
+          f"{args.decode_tokens} new tokens at most, greedy, batch {args.decode_batch}", flush=True)
+    print("  serving engines here: " + ", ".join(f"{name} {version}" if version else f"{name} not installed"
+                                                 for name, version in engines.items()))
+    target = Target.load(bench_regenerate.TARGET, dtype="bfloat16", device=device)
+    renderer = ChatRenderer(target.tokenizer, target.stop_token_ids)
+    batch = bench_regenerate.requests(renderer, args.decode_prompts, 384)
+    fastest = 0.0
+    for name in ("builtin", "builtin-compiled"):
+        with checks.running(f"decoding ({name})"):
+            tokens, seconds, ready = bench_regenerate.measure(
+                name, target, renderer, batch, args.decode_batch, args.decode_batch, args.decode_tokens)
+            fastest = max(fastest, tokens / seconds)
+            print(f"  {name:>16}: {tokens:,} reply tokens in {seconds:.1f} s = {tokens / seconds:,.0f} tok/s "
+                  f"(warm-up call {ready:.0f} s, not counted)", flush=True)
+    if fastest:
+        checks.expect(fastest >= DECODING_GOAL, f"decoding speed at batch {args.decode_batch}",
+                      f"{fastest:,.0f} reply tokens/s, the goal {DECODING_GOAL:,} at batch 256")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=2048)
@@ -277,6 +322,9 @@ def main() -> int:
     parser.add_argument("--skip-tests", action="store_true", help="only the timed training step")
     parser.add_argument("--speculators-attn", default="sdpa", choices=["eager", "sdpa"])
     parser.add_argument("--speculators-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--decode-prompts", type=int, default=512, help="4. decoding: ShareGPT first turns")
+    parser.add_argument("--decode-tokens", type=int, default=128, help="4. decoding: new tokens at most")
+    parser.add_argument("--decode-batch", type=int, default=256, help="4. decoding: replies decoded together")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(f"gpu-check: no CUDA device here (torch {torch.__version__}, built for CUDA "
@@ -298,6 +346,9 @@ def main() -> int:
     torch.cuda.empty_cache()  # the trainer is gone; give its cached blocks back before the next process
     with checks.running("speculators step"):
         against_speculators(args, ours, checks)
+    torch.cuda.empty_cache()
+    with checks.running("decoding"):
+        decoding(args, device, checks)
     print(f"\ngpu-check took {time.perf_counter() - start:.0f} s")
     if checks.failed:
         print("FAILED: " + "; ".join(checks.failed))
