@@ -581,7 +581,7 @@ def _coverage(args: argparse.Namespace) -> int:
                                     sorted(set(args.sizes)), compiled=args.compiled)
     machine = machine_description()
     print(f"{evaluate.vocab_coverage_markdown(found)}\n\nmaps from {args.corpus}'s training split "
-          f"({found['conversations']['train']['loss_tokens']:,} loss tokens); the target {args.target} "
+          f"({found['loss_tokens']['train']:,} loss tokens); the target {args.target} "
           f"({target.dtype}) replied {args.max_new_tokens} tokens at most; {machine}")
     if args.output:
         record = {"target": args.target, "dtype": str(target.dtype).removeprefix("torch."),

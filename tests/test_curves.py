@@ -259,7 +259,9 @@ def test_eagle3_coverage_measures_the_map_of_each_size_on_held_out_replies(tmp_p
     renderer = ChatRenderer(target.tokenizer, target.stop_token_ids)
     found = {split: dataset_report(str(corpus), renderer, 64, 0.1, split) for split in ("train", "heldout")}
     counts = {split: f.loss_token_counts(target.vocab_size) for split, f in found.items()}
-    assert record["conversations"]["heldout"]["kept"] == found["heldout"].stats.kept > 0
+    assert record["conversations"]["kept"] == found["train"].stats.kept == 40
+    assert record["samples"] == {split: f.samples_read for split, f in found.items()}
+    assert found["heldout"].samples and record["loss_tokens"]["train"] == found["train"].loss_tokens
     for row, vd in zip(record["rows"], (8, 64), strict=True):  # sorted
         vocab_map = VocabMap.from_counts(counts["train"], vd)
         assert row["vd"] == vd and row["coverage"][train] == vocab_map.coverage(counts["train"])

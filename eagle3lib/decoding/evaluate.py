@@ -303,9 +303,11 @@ def vocab_coverage(target, renderer, corpus: str, benchmark: Benchmark, max_new_
     return {
         "corpus": corpus, "benchmark": benchmark.name, "prompts": len(prompts),
         "max_new_tokens": max_new_tokens, "seq_len": seq_len, "heldout_fraction": heldout_fraction, "vt": vt,
-        "conversations": {split: {"kept": found.stats.kept, "skipped": dict(found.stats.skipped),
-                                  "samples": found.samples_read, "loss_tokens": found.loss_tokens}
-                          for split, found in reads.items()},
+        "conversations": {"read": reads["train"].stats.read, "kept": reads["train"].stats.kept,
+                          "skipped": dict(reads["train"].stats.skipped),
+                          "held_out": reads["train"].heldout},
+        "samples": {split: found.samples_read for split, found in reads.items()},
+        "loss_tokens": {split: found.loss_tokens for split, found in reads.items()},
         "counted_tokens": {label: int(table.sum()) for label, table in held.items()},
         "rows": [{"vd": n, "lm_head_megabytes_bf16": n * target.hidden_size * 2 / 2**20,
                   "coverage": {label: float(curve[n - 1]) for label, curve in curves.items()}}

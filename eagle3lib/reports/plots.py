@@ -330,7 +330,7 @@ def coverage_by_vd(found: dict, path: str | os.PathLike | None = None) -> Figure
     axis.set_xlabel("draft vocabulary size Vd: the most frequent tokens of the training replies (log scale)")
     axis.set_ylabel("share of the text's tokens in the map")
     axis.set_title(f"draft vocabulary coverage, maps from {found['corpus']}'s training split "
-                   f"({found['conversations']['train']['loss_tokens']:,} loss tokens)", fontsize=10)
+                   f"({found['loss_tokens']['train']:,} loss tokens)", fontsize=10)
     axis.legend(loc="lower right", fontsize=9)
     axis.grid(alpha=0.3)
     return _finish(fig, path)
