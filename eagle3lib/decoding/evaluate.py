@@ -273,7 +273,6 @@ def vocab_coverage(target, renderer, corpus: str, benchmark: Benchmark, max_new_
     from eagle3lib.data.layout import DataError
     from eagle3lib.data.sources import dataset_report
     from eagle3lib.decoding import engines, probe
-    from eagle3lib.decoding.speculate import decode_target_only
     from eagle3lib.drafter.vocab import coverage_by_size
 
     if corpus_kind(corpus) != "conversations":
@@ -287,11 +286,9 @@ def vocab_coverage(target, renderer, corpus: str, benchmark: Benchmark, max_new_
     reply = engines.target_replies(target, max_new_tokens, batch_size, compiled)
     prompts = engines.probe_prompts(target.tokenizer, benchmark.corpus, benchmark.num_prompts, 600, True,
                                     reply, template_kwargs=renderer.kwargs, turns=benchmark.turns)
-    replies = []
-    for batch in probe.batches_by_length(prompts, batch_size):
-        out = decode_target_only(target.model, [prompts[i] for i in batch], max_new_tokens,
-                                 eos_token_id=target.stop_token_ids, compiled=compiled)
-        replies += [token for generation in out.generations for token in generation.tokens]
+    decoded = probe.decode_baseline(target.model, prompts, max_new_tokens, eos_token_id=target.stop_token_ids,
+                                    batch_size=batch_size, compiled=compiled)
+    replies = [token for out in decoded for generation in out.generations for token in generation.tokens]
     held = {
         f"the target's replies ({benchmark.name}, {len(prompts)} prompts)": torch.bincount(
             torch.tensor(replies, dtype=torch.long), minlength=vt),
