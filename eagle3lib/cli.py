@@ -238,6 +238,49 @@ def _publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def _relay_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="an unfinished online training run, e.g. outputs/chat-drafter-full (it "
+                   "may be training now: each arm is carried at its latest checkpoint)")
+    p.add_argument("--command", required=True, help="the command that trains the run, recorded as it is")
+    p.add_argument("-o", "--out", required=True, help="the relay folder, e.g. relay/NAME (an older relay of "
+                   "the same run is replaced, a newer one refused)")
+
+
+@command("relay", "carry an unfinished online training run to another machine: each arm's latest checkpoint "
+         "in bf16 without AdamW's moments, its chosen point, logs and curve (a folder to commit)",
+         _relay_arguments)
+def _relay(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from eagle3lib.training import relay
+
+    record = relay.save(Path(args.run_dir), Path(args.out), command=args.command)
+    size = sum((Path(args.out) / rel).stat().st_size for rel in record["sha256"])
+    arms = ", ".join(f"{arm} at step {a['step']:,} of {a['steps']:,} ({a['tokens']:,} tokens)"
+                     for arm, a in record["arms"].items())
+    print(f"eagle3 relay: {args.out} ({size / 1e6:.1f} MB): {arms}")
+    return 0
+
+
+def _restore_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("relay_dir", help="a relay folder (eagle3 relay), e.g. relay/chat-drafter-full")
+    p.add_argument("--run-dir", help="the run folder to make (default: outputs/<the relay's run>; must not "
+                   "exist)")
+
+
+@command("restore", "make the run folder a relay carries (the online text rebuilt and checked by hash); "
+         "then `eagle3 train RECIPE --resume` continues it", _restore_arguments)
+def _restore(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from eagle3lib.training import relay
+
+    run_dir = relay.restore(Path(args.relay_dir), Path(args.run_dir) if args.run_dir else None)
+    record = relay.read_record(Path(args.relay_dir))
+    print(f"eagle3 restore: {run_dir}; continue it with: {record['command']} --resume")
+    return 0
+
+
 def _publish_curves_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="a run folder whose notebook 04 measured its arms along training "
                    "(train.validation_prompts > 0)")

@@ -257,10 +257,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.parameters, lr=train["lr"], betas=tuple(train["betas"]), weight_decay=train["weight_decay"]
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda step: lr_factor(step, train["warmup_steps"], train["steps"], train["min_lr_ratio"]),
-        )
+        self.rewarm_from: int | None = None  # the step a relayed resume started AdamW afresh at (`relay`)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_factor)
         self.stream = BatchStream(data.reader, train["batch_size"], train["seq_len"], seed, procs,
                                   train["packing"])
         self.step = 0
@@ -270,6 +268,15 @@ class Trainer:
         self.window_tokens = self.window_positions = 0
         self.tokens = 0  # real tokens trained on so far, all ranks: the x axis of τ along training
         self.autocast_dtype = autocast_dtype(train["dtype"], device)
+
+    def lr_factor(self, step: int) -> float:
+        """The schedule's factor at `step`; after a relayed resume the warmup again, from where it started,
+        so that AdamW's fresh moments form before the full rate."""
+        t = self.train
+        factor = lr_factor(step, t["warmup_steps"], t["steps"], t["min_lr_ratio"])
+        if self.rewarm_from is not None and step - self.rewarm_from < t["warmup_steps"]:
+            factor *= (step - self.rewarm_from + 1) / t["warmup_steps"]
+        return factor
 
     def to_device(self, batch: dict) -> dict:
         return {key: value.to(self.procs.device, non_blocking=True) for key, value in batch.items()}
@@ -449,6 +456,7 @@ class Trainer:
                         "step": self.step,
                         "optimizer": self.optimizer.state_dict(),
                         "scheduler": self.scheduler.state_dict(),
+                        "rewarm_from": self.rewarm_from,
                         "data": data_state,
                         "rng": _rng_state(),
                         "window": self.window.clone(),
@@ -495,8 +503,15 @@ class Trainer:
         with torch.no_grad():
             for name, tensor in self.drafter.state_dict().items():
                 tensor.copy_(saved[name])
-        self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.rewarm_from = state.get("rewarm_from")
+        relayed = "optimizer" not in state  # `relay`: carried without AdamW's moments
+        if relayed:
+            self.rewarm_from = state["step"]
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.train["lr"] * self.lr_factor(state["step"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.stream.restore(state["data"])
         _set_rng_state(state["rng"])
         self.window, self.window_tokens = state["window"], state["window_tokens"]
@@ -511,7 +526,12 @@ class Trainer:
             kept = [line for number, line in enumerate(lines, 1)
                     if files.json_line(line, metrics_path, number)["step"] <= self.step]
             files.atomic_write_text(metrics_path, "".join(line + "\n" for line in kept))
-        self.log(f"resumed from {path} at step {self.step}")
+        if relayed:
+            self.log(f"resumed from {path} at step {self.step}, a relay's checkpoint (saved on "
+                     f"{state['relayed']['machine']}; without {state['relayed']['dropped']}): AdamW starts "
+                     f"afresh and the learning rate rewarms over {self.train['warmup_steps']} steps")
+        else:
+            self.log(f"resumed from {path} at step {self.step}")
 
 
 def save_state(state: dict, file: Path) -> None:
