@@ -149,3 +149,17 @@ def test_relaying_a_finished_arm_or_an_older_checkpoint_is_refused(tmp_path, mon
     trained(older, monkeypatch, steps_done=4)  # its latest checkpoint: step 3
     with pytest.raises(relay.RelayError, match="relayed at step 6; .* step 3, older"):
         relay.save(older, relay_dir, command="x")
+
+
+COMMITTED = sorted(p.parent for p in (runs.REPO_ROOT / "relay").glob("*/relay.json"))
+
+
+@pytest.mark.parametrize("relay_dir", COMMITTED, ids=lambda p: p.name)
+def test_a_committed_relay_holds_exactly_its_files_with_their_hashes(relay_dir):
+    record = relay.read_record(relay_dir)
+    assert record["run"] == relay_dir.name
+    assert (runs.REPO_ROOT / "params" / f"{record['run']}.yaml").is_file()  # the recipe that continues it
+    for arm, carried in record["arms"].items():
+        checkpoint = relay_dir / runs.FINETUNE / arm / "checkpoints" / f"step_{carried['step']:06d}"
+        assert "optimizer" not in load_state(checkpoint / STATE_FILE)
+        assert load_drafter(checkpoint / "drafter", strict=True)[0] is not None
