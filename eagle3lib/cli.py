@@ -275,8 +275,7 @@ def _restore(args: argparse.Namespace) -> int:
 
     from eagle3lib.training import relay
 
-    run_dir = relay.restore(Path(args.relay_dir), Path(args.run_dir) if args.run_dir else None)
-    record = relay.read_record(Path(args.relay_dir))
+    run_dir, record = relay.restore(Path(args.relay_dir), Path(args.run_dir) if args.run_dir else None)
     print(f"eagle3 restore: {run_dir}; continue it with: {record['command']} --resume")
     return 0
 

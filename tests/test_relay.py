@@ -92,7 +92,8 @@ def test_the_relay_holds_the_latest_checkpoint_in_bf16_without_the_moments_or_th
 
 def test_a_restored_relay_continues_the_data_schedule_and_curve(tmp_path, whole, stopped):
     _, relay_dir, _ = stopped
-    run_dir = relay.restore(relay_dir, tmp_path / "restored")
+    run_dir, record = relay.restore(relay_dir, tmp_path / "restored")
+    assert record == relay.read_record(relay_dir)
     folder = run_dir / runs.FINETUNE / online.FOLDER
     assert (folder / online.TEXT_FILE).is_file()  # rebuilt from the corpus, its hash the relay's
     resumed = train.train_arms(relay_recipe(), run_dir / runs.FINETUNE, resume=True)["scratch"]

@@ -90,10 +90,11 @@ def save(run_dir: Path, out: Path, command: str) -> dict:
     return record
 
 
-def restore(relay_dir: Path, run_dir: Path | None = None, device: str = "cpu") -> Path:
+def restore(relay_dir: Path, run_dir: Path | None = None, device: str = "cpu") -> tuple[Path, dict]:
     """Make the run folder the relay `relay_dir` carries (default `outputs/<run>/`, which must not exist):
     every file checked against its recorded hash, the online text rebuilt from the corpus and checked
-    against the relay's. `eagle3 train <recipe> --resume` then continues it."""
+    against the relay's. `eagle3 train <recipe> --resume` then continues it. Returns the folder and the
+    relay's record."""
     relay_dir = Path(relay_dir)
     record = read_record(relay_dir)
     run_dir = Path(run_dir) if run_dir else runs.OUTPUTS_DIR / record["run"]
@@ -120,7 +121,7 @@ def restore(relay_dir: Path, run_dir: Path | None = None, device: str = "cpu") -
                     "would continue in another data order. Restore it where the corpus and the target's "
                     "tokenizer are the relay's"
                 )
-    return run_dir
+    return run_dir, record
 
 
 def read_record(relay_dir: Path) -> dict:
