@@ -2,11 +2,11 @@
 
 `auto` picks bfloat16 where the hardware computes it natively and float32 elsewhere, detected from the
 CPU's flags, never assumed from one machine (bench/RESULTS.md names the machine of every figure):
-- inference (a target decoding, capturing, probing): CUDA GPUs with bf16, CPUs with AMX-BF16 or
-  AVX512-BF16 units. Measured: several times float32's capture throughput on an AVX512-BF16 CPU, faster
-  decoding on an Intel Xeon with AMX; 4x slower generation on an AMD EPYC without bf16 units.
-- training (bf16 autocast, whose backward also reduces in bf16): CUDA, or CPUs with AMX. Measured: 1.5x
-  float32's tokens/s on the AMX Xeon, 10x slower on CPUs without AMX.
+CUDA GPUs with bf16, and CPUs with AMX-BF16 or AVX512-BF16 units, for inference (a target decoding, capturing,
+probing) and for training (bf16 autocast, whose backward also reduces in bf16). Measured (bench/RESULTS.md §3,
+§4): several times float32's capture throughput on an AVX512-BF16 CPU, faster decoding on an Intel Xeon with
+AMX, 4x slower generation on an AMD EPYC without bf16 units; training at 1.55x float32's tokens/s on the AMX
+Xeon and 1.4x on an AMD EPYC with AVX512-BF16 (no AMX).
 
 On a CPU, memory comes from the C library's allocator, whose heap keeps what training frees until `trim_heap`
 hands it back.
@@ -23,7 +23,6 @@ import torch
 
 # /proc/cpuinfo flags of bf16 units: Intel AMX tiles, and AVX-512's bf16 dot products
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
-BF16_TRAINING_CPU_FLAGS = ("amx_bf16",)
 
 
 @cache
@@ -75,12 +74,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return found
 
 
-def fast_bf16(device: torch.device, training: bool = False) -> bool:
-    """Is bf16 the fast dtype on this device, for inference or for training (what `auto` asks)?"""
+def fast_bf16(device: torch.device) -> bool:
+    """Is bf16 the fast dtype on this device (what `auto` asks)?"""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    flags = BF16_TRAINING_CPU_FLAGS if training else BF16_CPU_FLAGS
-    return device.type == "cpu" and any(flag in cpu_flags() for flag in flags)
+    return device.type == "cpu" and any(flag in cpu_flags() for flag in BF16_CPU_FLAGS)
 
 
 def trim_heap() -> bool:

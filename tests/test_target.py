@@ -144,7 +144,7 @@ def test_fingerprint_ignores_load_dtype_but_not_weights(target):
 
 @pytest.mark.parametrize("flags, inference, training", [
     ("fpu sse avx2 avx512f", torch.float32, None),  # an AMD EPYC without bf16 units
-    ("fpu avx512f avx512_bf16", torch.bfloat16, None),  # bf16 dot products: fast inference only
+    ("fpu avx512f avx512_bf16", torch.bfloat16, torch.bfloat16),  # an AMD EPYC with bf16 dot products
     ("fpu avx512f avx512_bf16 amx_bf16 amx_tile", torch.bfloat16, torch.bfloat16),  # an Intel Xeon with AMX
 ])
 def test_auto_dtype_follows_the_cpus_bf16_units(monkeypatch, flags, inference, training):

@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-from eagle3lib import runs
+from eagle3lib import devices, runs
 from eagle3lib.data import readers
 from eagle3lib.data.readers import TrainingData
 from eagle3lib.drafter.checkpoint import load_drafter, save_drafter
@@ -456,7 +456,13 @@ def test_resume_logs_exactly_what_the_uninterrupted_run_logs(tmp_path, data_fold
         resumed = train.train_arms(params, tmp_path / cut, resume=True)["scratch"].metrics
         assert without_speed(resumed) == without_speed(whole), cut
     metrics = tmp_path / "before_checkpoint" / "scratch" / "metrics.jsonl"
-    assert f"starting at step 0, {metrics} afresh" in metrics.with_name("log.txt").read_text()
+    log = metrics.with_name("log.txt").read_text()
+    assert f"starting at step 0, {metrics} afresh" in log
+    # each leg names its precision: `auto` follows the machine, which may change between legs
+    precision = "float32" if trainer.autocast_dtype("auto", torch.device("cpu")) is None else "bf16 autocast"
+    assert f"scratch: steps 1..8 in {precision} (train.dtype auto; {devices.machine_description()})" in log
+    resumed_log = (tmp_path / "after_checkpoint" / "scratch" / "log.txt").read_text()
+    assert f"scratch: steps 4..8 in {precision}" in resumed_log
 
 
 def test_a_torn_metrics_line_is_dropped_on_resume_and_a_broken_one_is_named(tmp_path, data_folder,

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from eagle3lib import files
 from eagle3lib.data.readers import TrainingData
-from eagle3lib.devices import fast_bf16, resolve_device, trim_heap
+from eagle3lib.devices import fast_bf16, machine_description, resolve_device, trim_heap
 from eagle3lib.drafter.checkpoint import load_drafter, save_drafter
 from eagle3lib.drafter.model import Eagle3Drafter
 from eagle3lib.drafter.ttt_attention import Segments, segments_of
@@ -378,6 +378,10 @@ class Trainer:
         metrics_path = self.out / "metrics.jsonl"
         if resume:
             self._restore_latest(metrics_path)
+        # `auto` decides by the machine, so legs of one run on two machines may train in two precisions
+        precision = "float32" if self.autocast_dtype is None else "bf16 autocast"
+        self.log(f"{self.out.name}: steps {self.step + 1}..{t['steps']} in {precision} (train.dtype "
+                 f"{t['dtype']}; {machine_description()})")
         if curve is not None:
             curve.restore(self.step)
             if self.step == 0 and 0 in curve.steps:
@@ -551,10 +555,10 @@ def load_state(file: Path) -> dict:
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast when asked for, or with `auto` where the device trains fast in it (`devices.fast_bf16`:
-    CUDA, CPUs with AMX), else plain float32."""
+    """bf16 autocast when asked for, or with `auto` where the device computes bf16 natively
+    (`devices.fast_bf16`: CUDA, CPUs with AMX or AVX512-BF16), else plain float32."""
     if dtype == "fp32":
         return None
-    if dtype == "bf16" or fast_bf16(device, training=True):
+    if dtype == "bf16" or fast_bf16(device):
         return torch.bfloat16
     return None
