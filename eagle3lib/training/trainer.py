@@ -79,6 +79,9 @@ class Processes:
             wanted = torch.device("cuda", local_rank)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if wanted.type == "cuda" else "gloo")
+            # no rank leaves before every rank is connected: a rank that fails fast (bad data) and exits
+            # would otherwise break a slower rank's connect, whose own error would then go unreported
+            dist.barrier()
         return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=wanted)
 
     @property
