@@ -391,7 +391,7 @@ class TrainSection:
     max_grad_norm: float = setting(0.5, "0 = no clipping", decides_stand_in=True)
     dtype: str = setting(
         "auto",
-        "auto (bf16 autocast on GPUs and CPUs with AMX, else fp32) | fp32 | bf16",
+        "auto (bf16 autocast on GPUs and CPUs with AMX or AVX512-BF16, else fp32) | fp32 | bf16",
         decides_stand_in=True,
     )
     nproc: int = setting(
