@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -576,11 +577,16 @@ def main(argv: list[str] | None = None) -> int:
         validation = validation_of(params, data, out, procs)
         for arm in params["train"]["arms"]:
             train_arm(arm, params, out, data, procs, resume=args.resume, validation=validation)
+        procs.barrier()  # no rank tears down its connections while rank 0 still writes
     except (ValueError, FileExistsError) as err:  # bad input: params, data, checkpoints, a diverged run
         print(f"error (rank {procs.rank}): {err}", file=sys.stderr, flush=True)
         return 2
     finally:
         if dist.is_initialized():
+            # a trainer outlives its arm in a reference cycle (its lr schedule is a bound method), and with it
+            # the DDP wrapper that holds the group: collected at interpreter teardown instead, the group's
+            # threads once aborted a rank ("terminate called without an active exception")
+            gc.collect()
             dist.destroy_process_group()
     return 0
 
