@@ -217,6 +217,10 @@ def test_packed_linears_compute_what_the_model_computed_and_keep_its_weights(dty
     linears = sum(type(m) is torch.nn.Linear for m in model.modules())
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert pack_linears(model) == 0  # oneDNN would refuse the reorder: the linears stay as they were
+        assert sum(type(m) is torch.nn.Linear for m in model.modules()) == linears
+        return
     assert pack_linears(model) == linears == 2 * 7 + 1
     assert isinstance(model.lm_head, PackedLinear) and model.lm_head.weight is model.model.embed_tokens.weight
     with torch.no_grad():

@@ -99,10 +99,13 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Every `nn.Linear` of a CPU model in bf16 or float32 replaced by a `PackedLinear`; how many."""
+    """Every `nn.Linear` of a CPU model in float32, or in bf16 where oneDNN has a bf16 path on this CPU
+    (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only EPYC has none and keeps bf16 linears plain), replaced
+    by a `PackedLinear`; how many."""
     if not torch.backends.mkldnn.is_available():
         return 0
-    kinds = (torch.bfloat16, torch.float32)
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    kinds = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
     found = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear
              and module.weight.device.type == "cpu" and module.weight.dtype in kinds]
     for name, module in found:
