@@ -463,6 +463,14 @@ def test_resume_logs_exactly_what_the_uninterrupted_run_logs(tmp_path, data_fold
     assert f"scratch: steps 1..8 in {precision} (train.dtype auto; {devices.machine_description()})" in log
     resumed_log = (tmp_path / "after_checkpoint" / "scratch" / "log.txt").read_text()
     assert f"scratch: steps 4..8 in {precision}" in resumed_log
+    # a leg resumed from a checkpoint does not initialise and check again: the first leg's report stands
+    first_check = json.loads((tmp_path / "whole" / "scratch" / "check.json").read_text())
+    assert resumed_log.count("[scratch] initialisation:") == 1
+    assert resumed_log.count(first_check["message"]) == 2
+    assert "[scratch] resuming: initialised and checked when the run began" in resumed_log
+    summary = json.loads((tmp_path / "after_checkpoint" / "scratch" / "summary.json").read_text())
+    assert summary["check"] == first_check
+    assert log.count("[scratch] initialisation:") == 2  # no checkpoint: the run began again at step 0
 
 
 def test_a_torn_metrics_line_is_dropped_on_resume_and_a_broken_one_is_named(tmp_path, data_folder,

@@ -62,7 +62,7 @@ from eagle3lib.generation.online import ensure_text, online_training_data
 from eagle3lib.params import STAND_IN_DATA_KEYS, STAND_IN_TRAIN_KEYS, load_params, minimums
 from eagle3lib.target.model import Target
 from eagle3lib.training import audit
-from eagle3lib.training.arms import ARMS, StepZeroCheckFailed, arm_l2sp, diagnose, init_drafter
+from eagle3lib.training.arms import ARMS, CheckResult, StepZeroCheckFailed, arm_l2sp, diagnose, init_drafter
 from eagle3lib.training.remap import MISSING_POLICIES
 from eagle3lib.training.trainer import Processes, Trainer, TrainingError, micro_batches_per_rank
 
@@ -265,19 +265,27 @@ def _train_arm(arm: str, params: dict, train: dict, seed: int, folder: Path, dat
                 f"{speculators_copy} is written for vLLM only (verifier.name_or_path null; speculators' "
                 "from_pretrained needs it)"
             )
-    # the whole report goes to log.txt and load_report.txt; the console (and notebook 04, which shows the
-    # reports after training) gets its first line
-    log(f"[{arm}] initialisation:\n{init_report}", echo=False)
-    log(f"[{arm}] {init_report.splitlines()[0]} (the whole report: {folder / 'load_report.txt'})")
-    if procs.main:
-        files.atomic_write_text(folder / "load_report.txt", init_report + "\n")
     trainer = Trainer(drafter, data, train, seed, folder, procs, log=log)
     check_batches = trainer.check_batches()
-    metrics, baseline = trainer.evaluate(check_batches)
-    check = diagnose(metrics, baseline, data.vocab_map.vd, warm_start=arm != "scratch")
-    log(f"[{arm}] {check.message}")
-    if procs.main:
-        files.atomic_write_text(folder / "check.json", json.dumps(asdict(check), indent=2) + "\n")
+    check_file = folder / "check.json"
+    if resume and trainer.checkpoints() and check_file.is_file():
+        # the checkpoint's weights replace this start (the same seed and params: the checkpoint refuses
+        # others), so the report and check of the run's first leg stand, and are not repeated per leg
+        check = CheckResult(**json.loads(check_file.read_text()))
+        log(f"[{arm}] resuming: initialised and checked when the run began ({folder / 'load_report.txt'}; "
+            f"{check.message})")
+    else:
+        # the whole report goes to log.txt and load_report.txt; the console (and notebook 04, which shows
+        # the reports after training) gets its first line
+        log(f"[{arm}] initialisation:\n{init_report}", echo=False)
+        log(f"[{arm}] {init_report.splitlines()[0]} (the whole report: {folder / 'load_report.txt'})")
+        if procs.main:
+            files.atomic_write_text(folder / "load_report.txt", init_report + "\n")
+        metrics, baseline = trainer.evaluate(check_batches)
+        check = diagnose(metrics, baseline, data.vocab_map.vd, warm_start=arm != "scratch")
+        log(f"[{arm}] {check.message}")
+        if procs.main:
+            files.atomic_write_text(check_file, json.dumps(asdict(check), indent=2) + "\n")
     if not check.passed:
         if arm == "drafter-no-remap":
             log(f"[{arm}] trained anyway: this arm reproduces the bug on purpose (train.allow_no_remap)")
