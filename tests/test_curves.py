@@ -148,6 +148,15 @@ def test_a_published_record_keeps_the_curves_and_refuses_an_edit(tmp_path, curve
     assert record["findings"] == curves.findings(record["arms"], record["source"])
     assert (folder / publish.CURVES_FIGURE).stat().st_size > 0
     assert record["stopped"] == {} and all(record["seconds"].values())
+    # a drafter published from the run carries its validation curve as its learning curve, with the figure
+    drafter = publish.publish(run, "scratch", tmp_path / "drafter", command="eagle3 run test")
+    validation = publish.verify(drafter)["validation_curve"]
+    assert validation["budget"] == json.loads((out / curves.VALIDATION_FILE).read_text())["budget"]
+    assert [(p["step"], p["tokens"]) for p in validation["points"]] == [
+        (p["step"], p["tokens"]) for p in record["arms"]["scratch"]]
+    assert [p["benchmarks"]["code"]["tau"] for p in validation["points"]] == [
+        p["benchmarks"]["code"]["tau"] for p in record["arms"]["scratch"]]
+    assert (drafter / publish.VALIDATION_FIGURE).stat().st_size > 0
     with pytest.raises(FileExistsError):
         publish.publish_curves(run, folder, command="again")
     # an arm stopped mid-run (no summary.json): its measured points published, where its log stopped said

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 
 import matplotlib.pyplot as plt
 import torch
@@ -174,7 +175,8 @@ def training_curves(arms: dict[str, list[dict]], source: dict[str, dict] | None 
         axis.legend(fontsize=8)
     panels[0][0].set_ylabel("validation τ, 95 % interval")
     if title:
-        fig.suptitle(title, fontsize=10)
+        width = int(11 * 6.2 * len(names))  # characters of a 10-point title that fit the figure
+        fig.suptitle("\n".join(textwrap.fill(line, width) for line in title.split("\n")), fontsize=10)
     return _finish(fig, path)
 
 

@@ -2,8 +2,9 @@
 
 A published folder is an ordinary SGLang-layout checkpoint plus `provenance.json`: the command and git commit
 that trained it (as `eagle3 run` recorded it for notebook 04; the commit it was published at too), the
-recipe, its training curve and last training metrics (which notebook 05 turns into a predicted τ), what
-notebook 05 measured for it, and the SHA-256 of its weights, which `verify` checks.
+recipe, its training curve and last training metrics (which notebook 05 turns into a predicted τ), its
+validation τ along training (with its figure) or `eagle3 curve`'s learning curve, what notebook 05 measured
+for it, and the SHA-256 of its weights, which `verify` checks.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def publish(run_dir: Path, arm: str, out: Path, *, command: str, dtype: torch.dt
         (staging / "drafter").rmdir()
         plots.ttt_step_curves({arm: [{"step": 0, **summary["check"]["metrics"]}, *curve]},
                               staging / "training_curve.png")
+        validation = validation_curve(arm_folder)
+        if validation:
+            plots.training_curves({arm: validation["points"]}, None, curves.title(arm_folder.parent),
+                                  staging / VALIDATION_FIGURE)
         record = {
             "command": command,
             "commit": training_provenance(metrics)["git commit"],
@@ -56,17 +61,33 @@ def publish(run_dir: Path, arm: str, out: Path, *, command: str, dtype: torch.dt
             "recipe": yaml.safe_load((Path(run_dir) / "params.yaml").read_text()),
             "data": metrics.get(runs.PREPARE_DATA),
             "steps": summary["steps"],
-            "training_seconds": summary["seconds"],
+            "training_seconds": training_seconds(arm_folder),  # every leg of a resumed run, from its log
+            "last_leg_seconds": summary["seconds"],  # the finishing leg's wall time, measuring included
             "final_check": summary["final_check"],
             "training_curve": curve,
             "measured": metrics.get(runs.EVALUATE),
             "learning_curve": _read_json(arm_folder / "learning_curve.json"),
+            "validation_curve": validation,
             "sha256": {WEIGHTS: files.file_sha256(staging / WEIGHTS)},
         }
         files.atomic_write_text(staging / PROVENANCE, json.dumps(record, indent=1) + "\n")
     return Path(out)
 
 
+def validation_curve(arm_folder: Path) -> dict | None:
+    """The arm's validation τ along training (`train.validation_prompts`) as its learning curve: every point
+    measured fresh data up to its step within a pass. None when the arm was not measured along training."""
+    points = curves.read_points(arm_folder)
+    if not points:
+        return None
+    kept = ("tau", "tau_low", "tau_high")
+    return {"budget": json.loads((arm_folder.parent / curves.VALIDATION_FILE).read_text())["budget"],
+            "points": [{"step": p["step"], "tokens": p["tokens"],
+                        "benchmarks": {name: {k: m[k] for k in kept} for name, m in p["benchmarks"].items()}}
+                       for p in points]}
+
+
+VALIDATION_FIGURE = "validation_curve.png"
 CURVES = "curves.json"
 CURVES_FIGURE = "training_curves.png"
 
