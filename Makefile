@@ -38,20 +38,27 @@ regenerated-datasets: setup vllm-setup
 	$(VENV)/bin/eagle3 regenerate stdlib-functions -o datasets/stdlib-functions-smollm2.jsonl.gz \
 		--target zoo:smollm2-135m-instruct --engine vllm --max-new-tokens 256 --batch-size 256
 
-# The chat source drafter (params/chat-drafter.yaml): trained from scratch on datasets/sharegpt-smollm2.jsonl.gz
-# (online: the target in the loop), its learning curve, notebook 05 on the float32 drafter and its bf16 copy,
-# then published into drafters/smollm2-135m-chat. A GPU host takes minutes (train.micro_batch_size 16); on the
-# Intel Xeon pass CHAT_ARGS="-p train.micro_batch_size=2" and expect about 5 hours (measured: 6.3 s a step of 4).
-CHAT_RUN := chat-drafter-$(shell date +%Y%m%d-%H%M%S)
+# The chat source drafter (params/chat-drafter-full.yaml): trained from scratch on all of ShareGPT's training split
+# (online: the target in the loop; packed rows, one pass, the drafter chosen by validation τ), notebook 05 on its
+# bf16 copy, then published into drafters/smollm2-135m-chat with its τ table and its one-user speed table. A GPU
+# host takes minutes; a 2-core Intel Xeon with AMX about 9 hours (13 s a step), an AMD EPYC with AVX512-BF16
+# about 21, one with AVX2 only about 40 (float32): carry it across sessions with `eagle3 relay` ("The long run,
+# in legs"), then run this again, which resumes. The earlier recipe, params/chat-drafter.yaml, stays as a record.
+CHAT_RUN ?= chat-drafter-full
 CHAT_DRAFTER ?= drafters/smollm2-135m-chat
+CHAT_TARGET := --target zoo:smollm2-135m-instruct
 chat-drafter: setup
-	$(VENV)/bin/eagle3 train params/chat-drafter.yaml -p run.name=$(CHAT_RUN) $(CHAT_ARGS)
-	$(VENV)/bin/eagle3 curve outputs/$(CHAT_RUN)/04_finetune/scratch --target zoo:smollm2-135m-instruct \
-		--benchmark sharegpt:32 --benchmark humaneval:32
+	$(VENV)/bin/eagle3 train params/chat-drafter-full.yaml -p run.name=$(CHAT_RUN) --resume
 	$(VENV)/bin/eagle3 publish outputs/$(CHAT_RUN) --arm scratch --command "make chat-drafter" \
 		-o outputs/$(CHAT_RUN)/published
-	$(VENV)/bin/eagle3 run params/chat-drafter.yaml --name $(CHAT_RUN) --only 05 $(CHAT_ARGS)
+	$(VENV)/bin/eagle3 run params/chat-drafter-full.yaml --name $(CHAT_RUN) --only 05
 	$(VENV)/bin/eagle3 publish outputs/$(CHAT_RUN) --arm scratch --command "make chat-drafter" -o $(CHAT_DRAFTER)
+	$(VENV)/bin/eagle3 table $(CHAT_DRAFTER) $(CHAT_TARGET) --benchmark humaneval:32 --benchmark sharegpt:32 \
+		--benchmark sharegpt:16:2 --setting 3/1/4 --setting 7/1/8 --setting 5/4/16 --max-new-tokens 128 \
+		--batch-size 16 --dtype float32 -o $(CHAT_DRAFTER)/tau_table.json
+	$(VENV)/bin/eagle3 table $(CHAT_DRAFTER) $(CHAT_TARGET) --benchmark sharegpt:32 --setting 1/1/2 \
+		--setting 2/1/3 --setting 3/1/4 --max-new-tokens 128 --batch-size 1 --dtype auto \
+		-o $(CHAT_DRAFTER)/one_user_table.json
 
 lint: setup
 	$(VENV)/bin/ruff check .

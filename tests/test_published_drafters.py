@@ -41,13 +41,16 @@ def test_published_drafter_matches_its_record_and_loads_strictly(provenance):
 
 
 def test_the_chat_drafter_shows_its_learning_curve():
-    """What more data buys: τ of the recipe's checkpoints against the tokens they had trained on."""
-    curve = publish.verify(publish.DEMO_SOURCE_DRAFTER)["learning_curve"]
-    assert set(curve["benchmarks"]) == {"sharegpt", "humaneval"} and curve["run"]["command"]
-    for rows in curve["benchmarks"].values():
-        tokens = [row["loss_tokens"] for row in rows]
-        assert len(rows) >= 3 and tokens == sorted(set(tokens))
-        assert all(row["tau_low"] <= row["tau"] <= row["tau_high"] for row in rows)
+    """What more data buys: held-out ShareGPT τ of the run along training (one pass: every point fresh data),
+    from its first measurement to its last step, against the tokens it had trained on."""
+    record = publish.verify(publish.DEMO_SOURCE_DRAFTER)
+    points = record["validation_curve"]["points"]
+    tokens = [point["tokens"] for point in points]
+    assert len(points) >= 3 and tokens == sorted(set(tokens)) and points[-1]["step"] == record["steps"]
+    for point in points:
+        m = point["benchmarks"]["sharegpt"]
+        assert m["tau_low"] <= m["tau"] <= m["tau_high"]
+    assert (publish.DEMO_SOURCE_DRAFTER / publish.VALIDATION_FIGURE).is_file()
 
 
 def test_the_demo_recipe_fits_its_source_drafter():
@@ -59,12 +62,14 @@ def test_the_demo_recipe_fits_its_source_drafter():
     assert demo["data"]["draft_vocab_size"] == drafter.config.draft_vocab_size
 
 
-@pytest.mark.parametrize("provenance", [p for p in DRAFTERS if (p.parent / "tau_table.json").exists()],
-                         ids=lambda p: p.parent.name)
-def test_a_published_tau_table_measured_these_weights(provenance):
+TABLES = [table for p in DRAFTERS for table in sorted(p.parent.glob("*_table.json"))]  # tau_, one_user_
+
+
+@pytest.mark.parametrize("path", TABLES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_a_published_tau_table_measured_these_weights(path):
     """`eagle3 table -o`: every benchmark at every setting, with intervals, of exactly the shipped weights."""
-    table = json.loads((provenance.parent / "tau_table.json").read_text())
-    assert table["weights_sha256"] == publish.verify(provenance.parent)["sha256"][publish.WEIGHTS]
+    table = json.loads(path.read_text())
+    assert table["weights_sha256"] == publish.verify(path.parent)["sha256"][publish.WEIGHTS]
     assert table["machine"] and table["command"].startswith("eagle3 table") and table["commit"]
     settings = {row["setting"] for row in table["rows"]}
     benchmarks = {row["benchmark"] for row in table["rows"]}
