@@ -147,7 +147,7 @@ def test_a_published_record_keeps_the_curves_and_refuses_an_edit(tmp_path, curve
     assert record["arms"] == {arm: curves.read_points(out / arm) for arm in arms}
     assert record["findings"] == curves.findings(record["arms"], record["source"])
     assert (folder / publish.CURVES_FIGURE).stat().st_size > 0
-    assert record["stopped"] == {} and all(record["seconds"].values())
+    assert record["stopped"] == {} and all(record["last_leg_seconds"].values())
     # a drafter published from the run carries its validation curve as its learning curve, with the figure
     drafter = publish.publish(run, "scratch", tmp_path / "drafter", command="eagle3 run test")
     validation = publish.verify(drafter)["validation_curve"]
@@ -163,7 +163,7 @@ def test_a_published_record_keeps_the_curves_and_refuses_an_edit(tmp_path, curve
     (run / "04_finetune" / "scratch" / "summary.json").unlink()
     cut = publish.read_record(publish.publish_curves(run, tmp_path / "records" / "cut", command="cut"))
     last = files.read_json_lines(out / "scratch" / "metrics.jsonl")[-1]["step"]
-    assert cut["stopped"] == {"scratch": last} and cut["seconds"]["scratch"] is None
+    assert cut["stopped"] == {"scratch": last} and cut["last_leg_seconds"]["scratch"] is None
     assert cut["arms"]["scratch"] == record["arms"]["scratch"]
     edited = json.loads((folder / publish.CURVES).read_text()) | {"commit": "edited"}
     (folder / publish.CURVES).write_text(json.dumps(edited))

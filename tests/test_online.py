@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from eagle3lib.data.layout import DataError
+from eagle3lib.data.readers import open_reader
 from eagle3lib.drafter.checkpoint import load_drafter
 from eagle3lib.drafter.vocab import VocabMap
 from eagle3lib.generation import online
@@ -106,6 +107,24 @@ def test_resume_online_continues_exactly_without_recomputing_skipped_batches(tmp
     assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in online_run[1].metrics]
     # the step-0 check's 2 batches, then steps 4-6: the target computes each batch once, none for steps 1-3
     assert calls["batches"] == 2 + STEPS - 3
+
+
+def test_a_run_says_how_many_passes_over_the_data_its_steps_make(offline_run, online_run):
+    run_dir, offline = offline_run
+    out, result = online_run
+    stored = open_reader(run_dir / "00_prepare_data")
+    streamed = online.online_training_data(recipe("online"), out, torch.device("cpu")).reader
+    # counted from the lengths alone: the batches an epoch of that seed yields, packed or one sample a row
+    for reader in (stored, streamed):
+        for seed, packing in ((0, True), (1, True), (0, False)):
+            yielded = reader.batches(4, 64, shuffle=True, seed=seed, drop_last=True, packing=packing)
+            assert reader.batches_per_epoch(4, 64, seed, packing) == sum(1 for _ in yielded)
+    per_pass = stored.batches_per_epoch(4, 64, 0, True)
+    assert per_pass == streamed.batches_per_epoch(4, 64, 0, True) > 0
+    assert offline.passes == result.passes == STEPS / per_pass
+    log = (out / "scratch" / "log.txt").read_text()
+    assert f"one pass over the data is {per_pass:,} batches" in log
+    assert f"done after {STEPS / per_pass:.2f} passes over the data" in log
 
 
 def test_two_processes_online_match_one(tmp_path, online_run):

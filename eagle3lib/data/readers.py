@@ -90,6 +90,19 @@ class BatchReader(ABC):
         batches (a resumed epoch); `rows` keeps those rows of each batch (one process's share).
         """
 
+    def lengths_in_order(self, shuffle: bool, seed: int) -> Iterator[tuple[int, int]] | None:
+        """(length, key) of every sample in the order an epoch reads them, without reading the samples; None
+        where the lengths are known only by reading every sample (a SpecForge or speculators dump)."""
+        return None
+
+    def batches_per_epoch(self, batch_size: int, seq_len: int, seed: int, packing: bool) -> int | None:
+        """How many whole batches `batches(..., drop_last=True)` gives in the epoch of `seed`: the planner
+        over the lengths alone (seconds for 15k samples); None where the lengths are not known cheaply."""
+        order = self.lengths_in_order(True, seed)
+        if order is None:
+            return None
+        return sum(1 for _ in BatchPlanner(batch_size, seq_len, True, packing).plans(order))
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}({str(self.path)!r}, samples={self.num_samples}, H={self.hidden_size}, "
@@ -262,6 +275,14 @@ class FolderReader(StoredStatesReader):
         if counts.shape != (self.vocab_size,):
             raise DataError(f"{file}: counts has shape {list(counts.shape)}, expected [{self.vocab_size}]")
         return counts
+
+    def lengths_in_order(self, shuffle: bool, seed: int) -> Iterator[tuple[int, int]]:
+        shards, key = self.manifest["shards"], 0
+        for s, order in reading_order([entry["num_samples"] for entry in shards], shuffle, seed):
+            lengths = read_safetensors(self.path / shards[s]["file"], ["sample_lengths"], DataError)
+            for i in order:
+                yield int(lengths["sample_lengths"][i]), key
+                key += 1
 
     def samples(self, shuffle: bool = False, seed: int = 0) -> Iterator[dict[str, Tensor]]:
         shards = self.manifest["shards"]

@@ -127,14 +127,17 @@ class OnlineReader(BatchReader):
     def num_samples(self) -> int:
         return len(self.lengths)
 
+    def lengths_in_order(self, shuffle: bool, seed: int) -> Iterator[tuple[int, int]]:
+        first = [0, *torch.tensor(self.shards).cumsum(0).tolist()]
+        return ((self.lengths[first[s] + i], first[s] + i)
+                for s, indices in reading_order(self.shards, shuffle, seed) for i in indices)
+
     def batches(
         self, batch_size: int, seq_len: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
         skip: int = 0, rows: slice | None = None, packing: bool = False,
     ) -> Iterator[dict[str, Tensor]]:
         """Skipped batches and other processes' rows cost no target forward."""
-        first = [0, *torch.tensor(self.shards).cumsum(0).tolist()]
-        order = ((self.lengths[first[s] + i], first[s] + i)
-                 for s, indices in reading_order(self.shards, shuffle, seed) for i in indices)
+        order = self.lengths_in_order(shuffle, seed)
         for n, plan in enumerate(BatchPlanner(batch_size, seq_len, drop_last, packing).plans(order)):
             if n < skip:
                 continue

@@ -61,6 +61,7 @@ def publish(run_dir: Path, arm: str, out: Path, *, command: str, dtype: torch.dt
             "recipe": yaml.safe_load((Path(run_dir) / "params.yaml").read_text()),
             "data": metrics.get(runs.PREPARE_DATA),
             "steps": summary["steps"],
+            "passes": summary.get("passes"),  # over the training data; None where not counted
             "training_seconds": training_seconds(arm_folder),  # every leg of a resumed run, from its log
             "last_leg_seconds": summary["seconds"],  # the finishing leg's wall time, measuring included
             "final_check": summary["final_check"],
@@ -111,8 +112,9 @@ def publish_curves(run_dir: Path, out: Path, *, command: str) -> Path:
         "machine": trained.get("machine", "not recorded"),
         "budget": json.loads((finetune / curves.VALIDATION_FILE).read_text())["budget"],
         "recipe": yaml.safe_load((Path(run_dir) / "params.yaml").read_text()),
-        "seconds": {arm: json.loads(path.read_text())["seconds"] if path.is_file() else None
-                    for arm, path in summaries.items()},
+        # the finishing leg's wall time, measuring included (every leg's training: training_seconds)
+        "last_leg_seconds": {arm: json.loads(path.read_text())["seconds"] if path.is_file() else None
+                             for arm, path in summaries.items()},
         "stopped": {arm: files.read_json_lines(finetune / arm / "metrics.jsonl")[-1]["step"]
                     for arm, path in summaries.items() if not path.is_file()},
         "training_seconds": {arm: training_seconds(finetune / arm) for arm in arms},
@@ -183,7 +185,8 @@ def publish_cost_comparison(records: dict[str, Path], out: Path, *, command: str
         data_cost = made["core_seconds"] / made["template_tokens"] if made else 0.0
         cap = made["template_tokens"] if made else 0
         for arm, points in record["arms"].items():
-            seconds = record.get("training_seconds", record["seconds"])[arm]
+            # records made before training_seconds held only a leg's wall time, under `seconds`
+            seconds = (record["training_seconds"] if "training_seconds" in record else record["seconds"])[arm]
             train_cost = seconds * int(threads.group(1)) / points[-1]["tokens"]
             name = label if len(record["arms"]) == 1 else f"{label} {arm}"
             arms[name] = {

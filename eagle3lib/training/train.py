@@ -116,8 +116,9 @@ class ArmResult:
     final_check: dict  # the step-0 check's batches after training
     drafter: str  # what 05 evaluates and publish ships (SGLang layout): the chosen measured one, or the last
     steps: int
-    seconds: float
+    seconds: float  # this leg's wall time (a resumed run's every leg: reports.publish.training_seconds)
     chosen: dict | None = None  # the measured point drafter/ is, and the rule that chose it (validation on)
+    passes: float | None = None  # steps over one pass's batches; None where the reader cannot count a pass
 
     @property
     def metrics(self) -> list[dict]:
@@ -322,8 +323,10 @@ def _train_arm(arm: str, params: dict, train: dict, seed: int, folder: Path, dat
         arm=arm, folder=str(folder), init_report=init_report, check=asdict(check), final=final,
         final_check=asdict(final_check), drafter=str(drafter_path), steps=trainer.step,
         seconds=time.perf_counter() - start, chosen=chosen,
+        passes=trainer.step / trainer.pass_batches if trainer.pass_batches else None,
     )
-    log(f"[{arm}] done: loss {final_check.loss_0:.3f}, acc_0 {final_check.acc_0:.2%}, predicted tau "
+    covered = f" after {result.passes:.2f} passes over the data" if result.passes else ""
+    log(f"[{arm}] done{covered}: loss {final_check.loss_0:.3f}, acc_0 {final_check.acc_0:.2%}, predicted tau "
         f"{final_metrics['tau']:.2f} on the check batches; drafter saved at {drafter_path}")
     if procs.main:
         files.atomic_write_text(folder / "summary.json", json.dumps(asdict(result), indent=2) + "\n")

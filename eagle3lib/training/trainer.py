@@ -131,6 +131,11 @@ class BatchStream:
     def restore(self, state: dict) -> None:
         self.epoch, self.index, self._batches = state["epoch"], state["index"], None
 
+    def batches_per_epoch(self) -> int | None:
+        """The global batches of one pass over the data (epoch 0's plan; later epochs' orders pack within a
+        few batches of it); None where the reader cannot count them without reading every sample."""
+        return self.reader.batches_per_epoch(self.batch_size, self.seq_len, self.seed, self.packing)
+
     def _open_epoch(self) -> Iterator[dict]:
         return self.reader.batches(self.batch_size, self.seq_len, shuffle=True, seed=self.seed + self.epoch,
                                    drop_last=True, skip=self.index, rows=self.rows, packing=self.packing)
@@ -265,6 +270,7 @@ class Trainer:
         self.stream = BatchStream(data.reader, train["batch_size"], train["seq_len"], seed, procs,
                                   train["packing"])
         self.step = 0
+        self.pass_batches: int | None = None  # the batches of one pass over the data, counted by fit()
         # the sums and tokens of the steps since the last metrics.jsonl entry: checkpointed, so that a resumed
         # run logs what an uninterrupted one logs
         self.window = torch.zeros(5, train["ttt_steps"], dtype=torch.float64)
@@ -385,6 +391,10 @@ class Trainer:
         precision = "float32" if self.autocast_dtype is None else "bf16 autocast"
         self.log(f"{self.out.name}: steps {self.step + 1}..{t['steps']} in {precision} (train.dtype "
                  f"{t['dtype']}; {machine_description()})")
+        self.pass_batches = self.stream.batches_per_epoch()
+        if self.pass_batches:
+            self.log(f"{self.out.name}: one pass over the data is {self.pass_batches:,} batches (epoch 0's "
+                     f"plan): train.steps {t['steps']:,} is {t['steps'] / self.pass_batches:.2f} passes")
         if curve is not None:
             curve.restore(self.step)
             if self.step == 0 and 0 in curve.steps:
