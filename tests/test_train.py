@@ -344,6 +344,9 @@ class PoisonedReader:
     def __init__(self, reader):
         self.reader = reader
 
+    def __getattr__(self, name):  # all else is the wrapped reader's
+        return getattr(self.reader, name)
+
     def batches(self, batch_size, seq_len, shuffle, seed, **reading):
         for i, batch in enumerate(self.reader.batches(batch_size, seq_len, shuffle, seed, **reading)):
             if shuffle and i == 2:
